@@ -1,0 +1,157 @@
+"""Every default of the project, in one frozen dataclass, and the command line built from it.
+
+The fields whose metadata carries a `help` text become command-line options of the same name
+(`batch_size_per_replica` -> `--batch-size-per-replica`); the others are the tutorial's fixed names.
+This module imports nothing heavy, so a bad flag is reported before TensorFlow starts.
+"""
+
+import argparse
+import dataclasses
+import json
+import os
+import typing
+
+
+class UsageError(Exception):
+    """A mistake the user can fix; the entrypoints print it as one line and exit non-zero."""
+
+
+STRATEGIES = ("mirrored", "multiworker", "default")
+
+
+def _option(default, help_text, **extra):
+    return dataclasses.field(default=default, metadata={"help": help_text, **extra})
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    # Tutorial settings.
+    epochs: int = _option(12, "number of epochs to train")
+    batch_size_per_replica: int = _option(64, "batch size on each replica; the global batch is this times the replica count")
+    buffer_size: int = _option(10000, "shuffle buffer size, in examples")
+    data_dir: typing.Optional[str] = _option(None, "tfds data dir (default: tfds's own, ~/tensorflow_datasets)")
+    output_dir: str = _option(".", "where training_checkpoints/, logs/, saved_model/ and results.json are written")
+    steps_per_epoch: typing.Optional[int] = _option(None, "train at most this many steps each epoch (for quick smoke runs)")
+
+    # Distribution.
+    strategy: str = _option("mirrored", "distribution strategy; multiworker reads the cluster from TF_CONFIG", choices=STRATEGIES)
+    cpu_replicas: int = _option(0, "split the host CPU into N logical devices and mirror across them (0: off)")
+    devices: typing.Optional[str] = _option(None, "comma-separated devices to mirror across, e.g. /gpu:0,/gpu:1 (default: all GPUs)")
+
+    # Faults and reproducibility.
+    seed: int = _option(42, "seed for Python, NumPy, TensorFlow and the shuffle")
+    deterministic: bool = _option(False, "enable TensorFlow op determinism (bit-identical reruns, slower)")
+    overwrite: bool = _option(False, "replace a finished run already in --output-dir")
+
+    # Speed: each default is the fastest measured value (README, "Speed").
+    steps_per_execution: int = _option(50, "train steps run inside one tf.function call")
+    prefetch: bool = _option(True, "prefetch input batches while the model trains")
+    jit_compile: bool = _option(False, "compile the train step with XLA")
+
+    # The tutorial's schedule: 1e-3 for epochs 0-2, 1e-4 for 3-6, 1e-5 after.
+    lr_boundaries: tuple = (3, 7)
+    lr_values: tuple = (1e-3, 1e-4, 1e-5)
+
+    # Where the tutorial puts its outputs, under output_dir.
+    checkpoint_dir: str = "training_checkpoints"
+    checkpoint_name: str = "ckpt_{epoch}"
+    log_dir: str = "logs"
+    saved_model_dir: str = "saved_model"
+    backup_dir: str = "backup"
+    results_file: str = "results.json"
+
+    def path(self, name):
+        return os.path.join(self.output_dir, name)
+
+    @property
+    def device_list(self):
+        if self.cpu_replicas:
+            return [f"/cpu:{i}" for i in range(self.cpu_replicas)]
+        if self.devices:
+            return [d.strip() for d in self.devices.split(",") if d.strip()]
+        return None
+
+
+def _positive(name, value):
+    if value is not None and value < 1:
+        raise UsageError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
+
+
+def validate(cfg):
+    """Checks what can be checked before TensorFlow starts; raises UsageError."""
+    for name in ("epochs", "batch_size_per_replica", "buffer_size", "steps_per_epoch", "steps_per_execution"):
+        _positive(name, getattr(cfg, name))
+    if cfg.cpu_replicas < 0:
+        raise UsageError(f"--cpu-replicas must be 0 (off) or a positive count, got {cfg.cpu_replicas}")
+    cores = os.cpu_count() or 1
+    if cfg.cpu_replicas > cores:
+        raise UsageError(f"--cpu-replicas {cfg.cpu_replicas} is more than this machine's {cores} CPU cores; use at most {cores}")
+    if cfg.cpu_replicas and cfg.strategy != "mirrored":
+        raise UsageError("--cpu-replicas works with --strategy mirrored only; drop one of them")
+    if cfg.cpu_replicas and cfg.devices:
+        raise UsageError("--cpu-replicas and --devices both choose the devices; give only one")
+    if cfg.devices is not None and not cfg.device_list:
+        raise UsageError("--devices is empty; name devices like /gpu:0,/gpu:1 or leave it out")
+    if cfg.strategy == "multiworker":
+        parse_tf_config(os.environ.get("TF_CONFIG"))
+    _check_output_dir(cfg.output_dir)
+    return cfg
+
+
+def parse_tf_config(raw):
+    """Returns (task_type, task_index, cluster) from TF_CONFIG's text, or raises UsageError."""
+    fix = 'set TF_CONFIG like {"cluster": {"worker": ["host1:port", "host2:port"]}, "task": {"type": "worker", "index": 0}}'
+    if not raw:
+        raise UsageError(f"--strategy multiworker needs the TF_CONFIG environment variable; {fix}")
+    try:
+        spec = json.loads(raw)
+    except json.JSONDecodeError as err:
+        raise UsageError(f"TF_CONFIG is not valid JSON ({err.msg} at character {err.pos}); {fix}") from None
+    cluster = spec.get("cluster") if isinstance(spec, dict) else None
+    task = spec.get("task") if isinstance(spec, dict) else None
+    if not isinstance(cluster, dict) or not cluster.get("worker") and not cluster.get("chief"):
+        raise UsageError(f'TF_CONFIG has no "cluster" with a "worker" list; {fix}')
+    if any(not isinstance(v, list) or not all(isinstance(a, str) and ":" in a for a in v) for v in cluster.values()):
+        raise UsageError(f'TF_CONFIG\'s cluster lists must hold "host:port" strings; {fix}')
+    if not isinstance(task, dict) or task.get("type") not in cluster:
+        raise UsageError(f'TF_CONFIG\'s "task" must have a "type" that names a list in "cluster"; {fix}')
+    index = task.get("index")
+    if not isinstance(index, int) or not 0 <= index < len(cluster[task["type"]]):
+        raise UsageError(f'TF_CONFIG\'s task index {index!r} is not a position in the {task["type"]!r} list; {fix}')
+    return task["type"], index, cluster
+
+
+def _check_output_dir(path):
+    probe = path
+    while not os.path.exists(probe):
+        parent = os.path.dirname(os.path.abspath(probe))
+        if parent == os.path.abspath(probe):
+            break
+        probe = parent
+    if not os.path.isdir(probe):
+        raise UsageError(f"--output-dir {path} is not a directory ({probe} is a file); choose a directory path")
+    if not os.access(probe, os.W_OK | os.X_OK):
+        raise UsageError(f"--output-dir {path} is not writable ({probe}); choose a directory you can write to")
+
+
+def build_parser(prog, description):
+    parser = argparse.ArgumentParser(prog=prog, description=description,
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    hints = typing.get_type_hints(Config)
+    for field in dataclasses.fields(Config):
+        if "help" not in field.metadata:
+            continue
+        flag = "--" + field.name.replace("_", "-")
+        kind = hints[field.name]
+        if kind is bool:
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=field.default, help=field.metadata["help"])
+            continue
+        base = typing.get_args(kind)[0] if typing.get_origin(kind) is typing.Union else kind
+        parser.add_argument(flag, type=base, default=field.default, help=field.metadata["help"],
+                            choices=field.metadata.get("choices"))
+    return parser
+
+
+def from_args(args):
+    names = {f.name for f in dataclasses.fields(Config)}
+    return Config(**{k: v for k, v in vars(args).items() if k in names})

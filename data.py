@@ -1,0 +1,217 @@
+"""Tutorial step 2: MNIST through tensorflow_datasets, scaled to [0, 1], shuffled and batched.
+
+`tfds.load('mnist', ...)` is the only way the pipeline reads MNIST. For machines without internet,
+`python data.py prepare --idx-dir DIR [--data-dir DIR]` turns the four standard IDX files into a prepared
+tfds data dir with tfds's own builder (so tfds writes, versions and names the files), after which
+`tfds.load('mnist', data_dir=DIR)` reads it with no network access.
+"""
+
+import argparse
+import gzip
+import math
+import os
+import socket
+import sys
+import threading
+
+import numpy as np
+import tensorflow as tf
+import tensorflow_datasets as tfds
+from tensorflow_datasets.image_classification import mnist as tfds_mnist
+
+from config import UsageError
+
+IMAGE_SHAPE = (28, 28)
+NUM_CLASSES = 10
+IDX_FILES = {
+    "train": ("train-images-idx3-ubyte", "train-labels-idx1-ubyte"),
+    "test": ("t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte"),
+}
+# IDX magic numbers: unsigned bytes, 3 dimensions (images) or 1 (labels).
+IDX_MAGIC = {3: 0x00000803, 1: 0x00000801}
+DOWNLOAD_HOST = ("storage.googleapis.com", 443)  # where tfds downloads MNIST from
+ONLINE_PROBE_SECONDS = 3
+PREPARE_HINT = "python data.py prepare --idx-dir DIR_WITH_IDX_FILES"
+
+
+# ---------------------------------------------------------------- IDX files -> prepared tfds dir
+
+def _idx_path(idx_dir, name):
+    for candidate in (os.path.join(idx_dir, name + ".gz"), os.path.join(idx_dir, name)):
+        if os.path.isfile(candidate):
+            return candidate
+    raise UsageError(f"{name}(.gz) is missing from {idx_dir}; put the four standard MNIST IDX files there")
+
+
+def read_idx(path, ndim):
+    """Reads one IDX file (gzip or raw) of unsigned bytes with `ndim` dimensions, checking every size."""
+    try:
+        opener = gzip.open if path.endswith(".gz") else open
+        with opener(path, "rb") as f:
+            raw = f.read()
+    except (OSError, EOFError) as err:
+        raise UsageError(f"{path} cannot be read ({err}); replace it with an intact copy") from None
+    header = 4 + 4 * ndim
+    if len(raw) < header:
+        raise UsageError(f"{path} is empty or shorter than an IDX header; replace it with an intact copy")
+    magic = int.from_bytes(raw[:4], "big")
+    if magic != IDX_MAGIC[ndim]:
+        raise UsageError(f"{path} is not an IDX file of {ndim}-d unsigned bytes (magic {magic:#010x}); "
+                         "check that images and labels are not swapped")
+    dims = [int.from_bytes(raw[4 + 4 * i: 8 + 4 * i], "big") for i in range(ndim)]
+    if len(raw) - header != math.prod(dims):
+        raise UsageError(f"{path} holds {len(raw) - header} bytes of data but its header promises "
+                         f"{math.prod(dims)} ({' x '.join(map(str, dims))}); it is truncated or corrupt, replace it")
+    return np.frombuffer(raw, np.uint8, offset=header).reshape(dims)
+
+
+def read_split(idx_dir, split):
+    images_name, labels_name = IDX_FILES[split]
+    images = read_idx(_idx_path(idx_dir, images_name), 3)
+    labels = read_idx(_idx_path(idx_dir, labels_name), 1)
+    if images.shape[1:] != IMAGE_SHAPE:
+        raise UsageError(f"{images_name} holds {images.shape[1]}x{images.shape[2]} images, not MNIST's 28x28")
+    if len(images) != len(labels):
+        raise UsageError(f"{images_name} has {len(images)} images but {labels_name} has {len(labels)} labels; "
+                         "use files from the same MNIST release")
+    if len(images) == 0:
+        raise UsageError(f"{images_name} holds no images; replace it with the real file")
+    if labels.max() >= NUM_CLASSES:
+        raise UsageError(f"{labels_name} has label {labels.max()}, MNIST's are 0-{NUM_CLASSES - 1}; replace it")
+    return images, labels
+
+
+class _MnistFromIdx(tfds_mnist.MNIST, skip_registration=True):
+    """tfds's own MNIST builder (same name, version, features), fed from local IDX arrays instead of a download."""
+
+    name = "mnist"
+
+    def __init__(self, *, splits, **kwargs):
+        self._arrays = splits
+        super().__init__(**kwargs)
+
+    def _split_generators(self, dl_manager):
+        return {split: self._generate_examples(*arrays) for split, arrays in self._arrays.items()}
+
+    def _generate_examples(self, images, labels):
+        for index, (image, label) in enumerate(zip(images, labels)):
+            yield index, {"image": image[..., None], "label": int(label)}
+
+
+def prepare(idx_dir, data_dir=None):
+    """Writes a prepared `mnist` tfds dataset under data_dir from the IDX files in idx_dir; returns its path."""
+    if not os.path.isdir(idx_dir):
+        raise UsageError(f"--idx-dir {idx_dir} is not a directory; point it at the folder with the MNIST IDX files")
+    splits = {split: read_split(idx_dir, split) for split in IDX_FILES}
+    builder = _MnistFromIdx(splits=splits, data_dir=data_dir)
+    if builder.is_prepared():
+        raise UsageError(f"{builder.data_dir} already holds a prepared mnist; remove it first to prepare it again")
+    # tfds writes into an "incomplete" temporary folder and renames it when done, so a killed prepare
+    # leaves no half-written dataset behind.
+    builder.download_and_prepare(download_config=tfds.download.DownloadConfig(try_download_gcs=False))
+    return builder.data_dir
+
+
+# ---------------------------------------------------------------- loading, as the tutorial does
+
+def _online():
+    """True when tfds's download host answers within a few seconds (DNS included)."""
+    result = []
+
+    def probe():
+        try:
+            socket.create_connection(DOWNLOAD_HOST, timeout=ONLINE_PROBE_SECONDS).close()
+            result.append(True)
+        except OSError:
+            pass
+
+    thread = threading.Thread(target=probe, daemon=True)
+    thread.start()
+    thread.join(ONLINE_PROBE_SECONDS)
+    return bool(result)
+
+
+def load(data_dir=None):
+    """Tutorial: `tfds.load('mnist', with_info=True, as_supervised=True)`; fails fast offline."""
+    if data_dir is not None and not os.path.isdir(data_dir):
+        raise UsageError(f"--data-dir {data_dir} does not exist; prepare it with: {PREPARE_HINT} --data-dir {data_dir}")
+    builder = tfds.builder("mnist", data_dir=data_dir)
+    if not builder.is_prepared() and not _online():
+        where = data_dir or builder.data_dir
+        raise UsageError(f"no prepared mnist in {where} and no internet to download it; "
+                         f"run: {PREPARE_HINT} --data-dir {data_dir or '~/tensorflow_datasets'}")
+    datasets, info = tfds.load("mnist", data_dir=data_dir, with_info=True, as_supervised=True)
+    return datasets, info
+
+
+def scale(image, label):
+    """Tutorial: pixels from uint8 [0, 255] to float32 [0, 1]."""
+    image = tf.cast(image, tf.float32)
+    image /= 255
+    return image, label
+
+
+def steps_per_epoch(num_examples, global_batch, limit=None):
+    steps = math.ceil(num_examples / global_batch)
+    return min(steps, limit) if limit else steps
+
+
+def _distribute_by_data(dataset):
+    # MNIST is one file per split, so multi-worker sharding must split examples, not files.
+    options = tf.data.Options()
+    options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.DATA
+    return dataset.with_options(options)
+
+
+def train_dataset(train, *, buffer_size, global_batch, seed, first_epoch, epochs, steps, prefetch):
+    """All epochs from `first_epoch` on as one stream, `steps` batches each.
+
+    The tutorial's `map(scale).cache().shuffle(buffer).batch(batch)` reshuffles on every pass; here each
+    epoch's shuffle is seeded by its number instead, so a run resumed at epoch k sees exactly the batches an
+    uninterrupted run sees from epoch k on.
+    """
+    cached = train.map(scale, num_parallel_calls=tf.data.AUTOTUNE).cache()
+
+    def one_epoch(epoch):
+        shuffled = cached.shuffle(buffer_size, seed=seed + epoch, reshuffle_each_iteration=False)
+        return shuffled.batch(global_batch).take(steps)
+
+    dataset = tf.data.Dataset.range(first_epoch, epochs).flat_map(one_epoch)
+    if prefetch:
+        dataset = dataset.prefetch(tf.data.AUTOTUNE)
+    return _distribute_by_data(dataset)
+
+
+def eval_dataset(test, *, global_batch):
+    return _distribute_by_data(test.map(scale, num_parallel_calls=tf.data.AUTOTUNE).batch(global_batch)
+                               .cache().prefetch(tf.data.AUTOTUNE))
+
+
+def tutorial_datasets(datasets, *, buffer_size, global_batch):
+    """The tutorial's pipeline exactly as it writes it; the benchmark's baseline."""
+    train = datasets["train"].map(scale).cache().shuffle(buffer_size).batch(global_batch)
+    test = datasets["test"].map(scale).batch(global_batch)
+    return train, test
+
+
+# ---------------------------------------------------------------- command line
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(prog="data.py", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    commands = parser.add_subparsers(dest="command", required=True)
+    prep = commands.add_parser("prepare", help="turn the four MNIST IDX files into a prepared tfds data dir")
+    prep.add_argument("--idx-dir", required=True, help="folder holding train-images-idx3-ubyte(.gz) and the other three")
+    prep.add_argument("--data-dir", default=None, help="tfds data dir to write (default: tfds's own)")
+    args = parser.parse_args(argv)
+    try:
+        path = prepare(args.idx_dir, args.data_dir)
+    except UsageError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print(f"prepared mnist in {path}; train with: python train_mnist_mirrored.py --data-dir {args.data_dir or '~/tensorflow_datasets'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,39 @@
+"""Tutorial step 6: export a SavedModel, reload it without and with the strategy's scope, evaluate both."""
+
+import os
+import shutil
+
+from model import compile_model, keras
+
+
+def replace_dir(src, dst):
+    """Moves the finished folder src to dst, so dst is never a half-written folder."""
+    old = dst + ".old"
+    shutil.rmtree(old, ignore_errors=True)
+    if os.path.exists(dst):
+        os.rename(dst, old)
+    os.rename(src, dst)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def export(model, path):
+    """TF 2.0's `tf.keras.experimental.export_saved_model` is `model.save` in the SavedModel format now.
+
+    The SavedModel carries a `serving_default` signature, so `tf.saved_model.load` serves it with no
+    project code. It is written beside `path` and moved into place when complete.
+    """
+    partial = path + ".partial"
+    shutil.rmtree(partial, ignore_errors=True)
+    model.save(partial, save_format="tf", include_optimizer=False)
+    replace_dir(partial, path)
+
+
+def reload(path, strategy=None):
+    """TF 2.0's `tf.keras.experimental.load_from_saved_model` is `keras.models.load_model` now.
+
+    Reloaded inside `strategy.scope()` when a strategy is given, then compiled as the tutorial does.
+    """
+    if strategy is None:
+        return compile_model(keras.models.load_model(path, compile=False))
+    with strategy.scope():
+        return compile_model(keras.models.load_model(path, compile=False))

@@ -1,0 +1,34 @@
+"""Tutorial step 3: the CNN, built and compiled inside the strategy's scope by the caller.
+
+Keras is imported here and nowhere else. The project uses `tf_keras` (Keras 2) because Keras 3's `fit`
+fails under MultiWorkerMirroredStrategy (keras-team/keras#20585); moving to Keras 3 once that is fixed is
+this one line.
+"""
+
+import tf_keras as keras
+
+INPUT_SHAPE = (28, 28, 1)
+NUM_CLASSES = 10
+
+
+def build_model():
+    return keras.Sequential([
+        keras.Input(shape=INPUT_SHAPE),
+        keras.layers.Conv2D(32, 3, activation="relu"),
+        keras.layers.MaxPooling2D(),
+        keras.layers.Flatten(),
+        keras.layers.Dense(64, activation="relu"),
+        keras.layers.Dense(NUM_CLASSES),
+    ])
+
+
+def compile_model(model, *, steps_per_execution=1, jit_compile=False):
+    """The tutorial's compile: Adam, sparse categorical cross-entropy on logits, accuracy."""
+    model.compile(
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        optimizer=keras.optimizers.Adam(),
+        metrics=["accuracy"],
+        steps_per_execution=steps_per_execution,
+        jit_compile=jit_compile,
+    )
+    return model

@@ -1,0 +1,171 @@
+"""TensorFlow's "Distributed training with Keras" tutorial as one script.
+
+Steps, in the tutorial's order: (1) the distribution strategy, (2) MNIST through tfds, (3) the model
+compiled inside `strategy.scope()`, (4) `fit` with TensorBoard, per-epoch checkpoints, the learning-rate
+schedule and a printed learning rate, (5) the latest checkpoint restored and evaluated, (6) a SavedModel
+exported and reloaded without and with the strategy's scope, both evaluated. Figures go to results.json.
+"""
+
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # keep TensorFlow's C++ start-up chatter off stderr
+
+import config
+from config import UsageError
+
+
+# ---------------------------------------------------------------- step 1: the strategy
+
+def make_strategy(cfg, tf):
+    """Logical CPU devices must be set before TensorFlow's runtime starts, hence first of all."""
+    if cfg.cpu_replicas:
+        cpu = tf.config.list_physical_devices("CPU")[0]
+        tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * cfg.cpu_replicas)
+    if cfg.strategy == "multiworker":
+        # TF 2.0's tf.distribute.experimental.MultiWorkerMirroredStrategy; reads TF_CONFIG.
+        return tf.distribute.MultiWorkerMirroredStrategy()
+    if cfg.strategy == "default":
+        return tf.distribute.get_strategy()
+    try:
+        return tf.distribute.MirroredStrategy(devices=cfg.device_list)
+    except ValueError as err:
+        raise UsageError(f"--devices {cfg.devices}: {err}; list the devices with tf.config.list_logical_devices()") from None
+
+
+def device_names(strategy):
+    return list(getattr(strategy.extended, "worker_devices", ["/cpu:0"]))
+
+
+# ---------------------------------------------------------------- outputs: fresh, resumed or refused
+
+def prepare_output_dir(cfg, is_chief):
+    """Refuses to mix a finished run's outputs with a new one; clears stale outputs of a run that never
+    finished an epoch. An unfinished run's backup is kept: BackupAndRestore resumes from it."""
+    outputs = [cfg.path(name) for name in (cfg.checkpoint_dir, cfg.log_dir, cfg.backup_dir, cfg.results_file)]
+    finished = os.path.exists(cfg.path(cfg.results_file))
+    if finished and not cfg.overwrite:
+        raise UsageError(f"{cfg.output_dir} already holds a finished run ({cfg.results_file}); "
+                         "pass --overwrite to replace it, or choose another --output-dir")
+    resuming = os.path.isdir(cfg.path(cfg.backup_dir)) and not finished
+    if is_chief and not resuming:
+        for path in outputs:
+            if os.path.isdir(path):
+                shutil.rmtree(path)
+            elif os.path.exists(path):
+                os.remove(path)
+    os.makedirs(cfg.output_dir, exist_ok=True)
+
+
+def write_json(path, payload):
+    partial = path + ".partial"
+    with open(partial, "w") as f:
+        json.dump(payload, f, indent=2)
+        f.write("\n")
+    os.replace(partial, path)
+
+
+# ---------------------------------------------------------------- the run
+
+def run(cfg):
+    import tensorflow as tf
+
+    strategy = make_strategy(cfg, tf)
+    print(f"Number of devices: {strategy.num_replicas_in_sync}")
+
+    # Imported after the strategy: MultiWorkerMirroredStrategy must exist before any other op.
+    import callbacks
+    import data
+    import export
+    from model import build_model, compile_model, keras
+
+    keras.utils.set_random_seed(cfg.seed)
+    if cfg.deterministic:
+        tf.config.experimental.enable_op_determinism()
+
+    # Only the chief writes where the user asked; other workers write to a folder they remove at the end.
+    is_chief = strategy.extended.should_checkpoint
+    work_dir = cfg.output_dir if is_chief else tempfile.mkdtemp(prefix="mnist-worker-")
+    prepare_output_dir(cfg, is_chief)
+    checkpoint_dir = os.path.join(work_dir, cfg.checkpoint_dir)
+    backup_dir = cfg.path(cfg.backup_dir)  # BackupAndRestore itself keeps non-chief writes apart
+
+    # Step 2: the data.
+    datasets, info = data.load(cfg.data_dir)
+    global_batch = cfg.batch_size_per_replica * strategy.num_replicas_in_sync
+    num_train = info.splits["train"].num_examples
+    steps = data.steps_per_epoch(num_train, global_batch, cfg.steps_per_epoch)
+    first_epoch = callbacks.backed_up_epoch(backup_dir)
+    train = data.train_dataset(
+        datasets["train"], buffer_size=cfg.buffer_size, global_batch=global_batch, seed=cfg.seed,
+        first_epoch=first_epoch, epochs=cfg.epochs, steps=steps, prefetch=cfg.prefetch)
+    test = data.eval_dataset(datasets["test"], global_batch=global_batch)
+
+    # Step 3: the model, inside the strategy's scope.
+    with strategy.scope():
+        model = compile_model(build_model(), steps_per_execution=cfg.steps_per_execution, jit_compile=cfg.jit_compile)
+
+    # Step 4: training. A resumed run starts at the epoch after the last one backed up.
+    if first_epoch:
+        print(f"Resuming from the backup in {backup_dir} at epoch {first_epoch + 1}")
+    train_seconds, train_images = 0.0, 0
+    if first_epoch < cfg.epochs:
+        cbs = callbacks.make_callbacks(cfg, log_dir=os.path.join(work_dir, cfg.log_dir),
+                                       checkpoint_dir=checkpoint_dir, backup_dir=backup_dir)
+        start = time.perf_counter()
+        model.fit(train, epochs=cfg.epochs, steps_per_epoch=steps, callbacks=cbs)
+        train_seconds = time.perf_counter() - start
+        train_images = (cfg.epochs - first_epoch) * min(steps * global_batch, num_train)
+
+    # Step 5: the latest checkpoint, restored and evaluated.
+    model.load_weights(tf.train.latest_checkpoint(checkpoint_dir))
+    _, accuracy_checkpoint = model.evaluate(test)
+
+    # Step 6: export, reload without and with the strategy's scope, evaluate both.
+    saved_model = os.path.join(work_dir, cfg.saved_model_dir)
+    export.export(model, saved_model)
+    _, accuracy_unreplicated = export.reload(saved_model).evaluate(test)
+    _, accuracy_replicated = export.reload(saved_model, strategy).evaluate(test)
+
+    results = {
+        "strategy": cfg.strategy,
+        "replicas": strategy.num_replicas_in_sync,
+        "devices": device_names(strategy),
+        "epochs": cfg.epochs,
+        "global_batch_size": global_batch,
+        "steps_per_epoch": steps,
+        "resumed_from_epoch": first_epoch,
+        "train_images": train_images,
+        "train_seconds": round(train_seconds, 3),
+        "train_images_per_s": round(train_images / train_seconds, 1) if train_seconds else None,
+        "eval_accuracy_checkpoint": float(accuracy_checkpoint),
+        "eval_accuracy_unreplicated": float(accuracy_unreplicated),
+        "eval_accuracy_replicated": float(accuracy_replicated),
+        "seed": cfg.seed,
+    }
+    if is_chief:
+        write_json(cfg.path(cfg.results_file), results)
+        # The run is complete only now; a kill before this line resumes from the backup.
+        shutil.rmtree(backup_dir, ignore_errors=True)
+    else:
+        shutil.rmtree(work_dir, ignore_errors=True)
+    print(json.dumps(results, indent=2))
+    return 0
+
+
+def main(argv=None):
+    parser = config.build_parser("train_mnist_mirrored.py", __doc__)
+    args = parser.parse_args(argv)
+    try:
+        return run(config.validate(config.from_args(args)))
+    except UsageError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
