@@ -91,8 +91,9 @@ def run(cfg):
     is_chief = strategy.extended.should_checkpoint
     work_dir = cfg.output_dir if is_chief else tempfile.mkdtemp(prefix="mnist-worker-")
     prepare_output_dir(cfg, is_chief)
-    checkpoint_dir = os.path.join(work_dir, cfg.checkpoint_dir)
-    backup_dir = cfg.path(cfg.backup_dir)  # BackupAndRestore itself keeps non-chief writes apart
+    # Keras's ModelCheckpoint and BackupAndRestore themselves send a non-chief's writes to a temporary folder.
+    checkpoint_dir = cfg.path(cfg.checkpoint_dir)
+    backup_dir = cfg.path(cfg.backup_dir)
 
     # Step 2: the data.
     datasets, info = data.load(cfg.data_dir)
@@ -121,8 +122,11 @@ def run(cfg):
         train_seconds = time.perf_counter() - start
         train_images = (cfg.epochs - first_epoch) * min(steps * global_batch, num_train)
 
-    # Step 5: the latest checkpoint, restored and evaluated.
-    model.load_weights(tf.train.latest_checkpoint(checkpoint_dir))
+    # Step 5: the latest checkpoint, restored and evaluated. A non-chief that just trained skips the restore:
+    # synchronous training left it the chief's weights, and the chief may still be writing that checkpoint.
+    if is_chief or not train_images:
+        # The checkpoint also holds the optimizer, which evaluation does not need.
+        model.load_weights(tf.train.latest_checkpoint(checkpoint_dir)).assert_existing_objects_matched().expect_partial()
     _, accuracy_checkpoint = model.evaluate(test)
 
     # Step 6: export, reload without and with the strategy's scope, evaluate both.
