@@ -1,0 +1,110 @@
+"""Real cross-replica training: two logical CPU replicas average gradients, two workers train over TF_CONFIG."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+
+from conftest import ROOT, smoke_args, subprocess_env
+
+# Runs in its own process: logical devices can only be set before TensorFlow's runtime starts.
+ONE_STEP_SCRIPT = textwrap.dedent("""
+    import json, sys
+    import numpy as np
+    import tensorflow as tf
+    from config import Config
+    from model import build_model, keras
+    from train_mnist_mirrored import make_strategy
+
+    two = make_strategy(Config(cpu_replicas=2), tf)      # the project's own --cpu-replicas 2 path
+    one = tf.distribute.MirroredStrategy(["/cpu:0"])
+    assert two.num_replicas_in_sync == 2 and one.num_replicas_in_sync == 1
+
+    rng = np.random.default_rng(0)
+    x = rng.random((32, 28, 28, 1), dtype=np.float32)
+    y = rng.integers(0, 10, 32)
+    keras.utils.set_random_seed(0)
+    initial = build_model().get_weights()
+
+    def one_step(strategy, optimizer, learning_rate):
+        with strategy.scope():
+            model = build_model()
+            model.set_weights(initial)
+            model.compile(optimizer=optimizer(learning_rate),
+                          loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        model.fit(tf.data.Dataset.from_tensor_slices((x, y)).batch(32), epochs=1, verbose=0, shuffle=False)
+        return [w.tolist() for w in model.get_weights()]
+
+    out = {
+        "initial": [w.tolist() for w in initial],
+        "sgd_one": one_step(one, keras.optimizers.SGD, 0.5),
+        "sgd_two": one_step(two, keras.optimizers.SGD, 0.5),
+        "sgd_one_double_rate": one_step(one, keras.optimizers.SGD, 1.0),
+        "adam_one": one_step(one, keras.optimizers.Adam, 1e-3),
+        "adam_two": one_step(two, keras.optimizers.Adam, 1e-3),
+    }
+    json.dump(out, open(sys.argv[1], "w"))
+""")
+
+
+def _max_abs_diff(a, b):
+    import numpy as np
+
+    return max(float(np.max(np.abs(np.asarray(u) - np.asarray(v)))) for u, v in zip(a, b))
+
+
+def test_two_replicas_average_gradients_like_one(tmp_path):
+    out = tmp_path / "weights.json"
+    proc = subprocess.run([sys.executable, "-c", ONE_STEP_SCRIPT, str(out)], cwd=ROOT, env={**subprocess_env(), "PYTHONPATH": ROOT},
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    w = json.loads(out.read_text())
+    moved = _max_abs_diff(w["initial"], w["sgd_one"])
+    assert moved > 1e-3, "the step must change the weights for the comparison to mean anything"
+    # Same global batch, split over two replicas: averaged gradients give the one-replica update...
+    assert _max_abs_diff(w["sgd_one"], w["sgd_two"]) < 1e-5 * max(1.0, moved) + 1e-6
+    # ...while summed gradients would equal a one-replica step at twice the rate, which is far away.
+    assert _max_abs_diff(w["sgd_two"], w["sgd_one_double_rate"]) > 100 * _max_abs_diff(w["sgd_one"], w["sgd_two"])
+    assert _max_abs_diff(w["adam_one"], w["adam_two"]) < 1e-5
+
+
+def _free_ports(n):
+    socks = [socket.socket() for _ in range(n)]
+    for s in socks:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports
+
+
+def test_two_workers_on_loopback(tmp_path, data_dir):
+    cluster = {"worker": [f"127.0.0.1:{port}" for port in _free_ports(2)]}
+    output_dir = str(tmp_path / "out")
+    procs = []
+    for index in range(2):
+        scratch = tmp_path / f"tmp{index}"
+        scratch.mkdir()
+        env = {**subprocess_env(), "TMPDIR": str(scratch),
+               "TF_CONFIG": json.dumps({"cluster": cluster, "task": {"type": "worker", "index": index}})}
+        procs.append(subprocess.Popen(
+            [sys.executable, "train_mnist_mirrored.py", "--strategy", "multiworker", *smoke_args(data_dir, output_dir)],
+            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    try:
+        outputs = [p.communicate(timeout=400) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    for p, (_, err) in zip(procs, outputs):
+        assert p.returncode == 0, err[-3000:]
+
+    results = json.loads(open(os.path.join(output_dir, "results.json")).read())
+    assert results["replicas"] == 2 and results["strategy"] == "multiworker"
+    assert results["eval_accuracy_checkpoint"] == results["eval_accuracy_unreplicated"] == results["eval_accuracy_replicated"]
+    # Only the chief's outputs are in --output-dir: no worker's temporary copies, and no backup once finished.
+    assert sorted(os.listdir(output_dir)) == ["logs", "results.json", "saved_model", "training_checkpoints"]
+    assert not [d for d in os.listdir(os.path.join(output_dir, "training_checkpoints")) if d.startswith("workertemp")]
+    # The non-chief wrote its copies to a temporary folder of its own and removed it.
+    assert os.listdir(tmp_path / "tmp1") == []
