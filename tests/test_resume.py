@@ -1,0 +1,101 @@
+"""A killed run resumes where it stopped and ends where an uninterrupted run ends; reruns are bit-identical."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from conftest import ROOT, make_split, subprocess_env, write_idx_dir
+
+EPOCHS = 4
+# Enough steps that an epoch lasts long enough to be killed inside it.
+RESUME_FLAGS = ["--epochs", str(EPOCHS), "--batch-size-per-replica", "8", "--steps-per-execution", "1",
+                "--deterministic", "--seed", "7"]
+
+
+@pytest.fixture(scope="module")
+def resume_data_dir(tmp_path_factory):
+    import data
+
+    rng = np.random.default_rng(99)
+    idx = write_idx_dir(tmp_path_factory.mktemp("idx_resume"), {"train": make_split(1600, rng), "test": make_split(64, rng)})
+    target = str(tmp_path_factory.mktemp("tfds_resume") / "data")
+    data.prepare(idx, target)
+    return target
+
+
+def _command(data_dir, output_dir):
+    return [sys.executable, "train_mnist_mirrored.py", *RESUME_FLAGS, "--data-dir", data_dir, "--output-dir", output_dir]
+
+
+def _run(data_dir, output_dir):
+    proc = subprocess.run(_command(data_dir, output_dir), cwd=ROOT, env=subprocess_env(),
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc
+
+
+def _final_weights(output_dir):
+    import tensorflow as tf
+
+    path = tf.train.latest_checkpoint(os.path.join(output_dir, "training_checkpoints"))
+    assert path.endswith(f"ckpt_{EPOCHS}")
+    ckpt = tf.train.load_checkpoint(path)
+    names = sorted(n for n, _ in tf.train.list_variables(path) if n.startswith("layer_with_weights"))
+    assert names, "the checkpoint must hold the model's layers"
+    return {n: ckpt.get_tensor(n) for n in names}
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory, resume_data_dir):
+    output_dir = str(tmp_path_factory.mktemp("uninterrupted") / "out")
+    _run(resume_data_dir, output_dir)
+    return output_dir
+
+
+def test_identical_runs_give_bit_identical_weights(tmp_path, resume_data_dir, uninterrupted):
+    again = str(tmp_path / "again")
+    _run(resume_data_dir, again)
+    first, second = _final_weights(uninterrupted), _final_weights(again)
+    assert first.keys() == second.keys()
+    for name in first:
+        assert np.array_equal(first[name], second[name]), name
+
+
+def test_killed_run_resumes_and_matches_uninterrupted(tmp_path, resume_data_dir, uninterrupted):
+    output_dir = str(tmp_path / "out")
+    env = {**subprocess_env(), "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen(_command(resume_data_dir, output_dir), cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        for line in proc.stdout:
+            if f"Epoch 3/{EPOCHS}" in line:  # epochs 1 and 2 are done and backed up
+                proc.send_signal(signal.SIGKILL)
+                break
+    finally:
+        proc.kill()
+        proc.wait()
+    assert proc.returncode == -signal.SIGKILL
+    assert not os.path.exists(os.path.join(output_dir, "results.json"))
+    assert os.path.isdir(os.path.join(output_dir, "backup"))
+
+    resumed = _run(resume_data_dir, output_dir)
+    results = json.loads(open(os.path.join(output_dir, "results.json")).read())
+    first = results["resumed_from_epoch"]
+    assert first >= 2
+    # It trained only the epochs that were missing, and says so.
+    trained = [n for n in range(1, EPOCHS + 1) if f"Epoch {n}/{EPOCHS}" in resumed.stdout]
+    assert trained == list(range(first + 1, EPOCHS + 1))
+    assert results["train_images"] == (EPOCHS - first) * results["steps_per_epoch"] * results["global_batch_size"]
+    # The learning-rate schedule continues where it was: epoch 4 runs at 1e-4.
+    assert f"Learning rate for epoch {EPOCHS} is 9.99999" in resumed.stdout
+    # Same weights as the run that was never killed, and no backup left behind.
+    expected, got = _final_weights(uninterrupted), _final_weights(output_dir)
+    for name in expected:
+        np.testing.assert_array_equal(got[name], expected[name], err_msg=name)
+    assert not os.path.exists(os.path.join(output_dir, "backup"))
+    assert not os.path.exists(os.path.join(uninterrupted, "backup"))
