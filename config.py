@@ -9,6 +9,7 @@ import argparse
 import dataclasses
 import json
 import os
+import tempfile
 import typing
 
 
@@ -122,16 +123,18 @@ def parse_tf_config(raw):
 
 
 def _check_output_dir(path):
-    probe = path
-    while not os.path.exists(probe):
-        parent = os.path.dirname(os.path.abspath(probe))
-        if parent == os.path.abspath(probe):
-            break
-        probe = parent
+    """The nearest existing folder on the way to `path` must be a folder we can really write in."""
+    probe = os.path.abspath(path)
+    while not os.path.exists(probe) and os.path.dirname(probe) != probe:
+        probe = os.path.dirname(probe)
     if not os.path.isdir(probe):
         raise UsageError(f"--output-dir {path} is not a directory ({probe} is a file); choose a directory path")
-    if not os.access(probe, os.W_OK | os.X_OK):
-        raise UsageError(f"--output-dir {path} is not writable ({probe}); choose a directory you can write to")
+    try:
+        # os.access says yes to root everywhere; only a real write tells (read-only mounts, /proc).
+        tempfile.TemporaryFile(dir=probe).close()
+    except OSError as err:
+        raise UsageError(f"--output-dir {path} is not writable ({probe}: {err.strerror}); "
+                         "choose a directory you can write to") from None
 
 
 def build_parser(prog, description):

@@ -140,7 +140,12 @@ def load(data_dir=None):
         where = data_dir or builder.data_dir
         raise UsageError(f"no prepared mnist in {where} and no internet to download it; "
                          f"run: {PREPARE_HINT} --data-dir {data_dir or '~/tensorflow_datasets'}")
-    datasets, info = tfds.load("mnist", data_dir=data_dir, with_info=True, as_supervised=True)
+    try:
+        datasets, info = tfds.load("mnist", data_dir=data_dir, with_info=True, as_supervised=True)
+    except (OSError, ValueError, AssertionError, tf.errors.OpError) as err:
+        where = data_dir or builder.data_dir
+        raise UsageError(f"the mnist dataset in {where} cannot be read ({type(err).__name__}); "
+                         f"prepare it again into an empty dir: {PREPARE_HINT} --data-dir NEW_DIR") from None
     return datasets, info
 
 

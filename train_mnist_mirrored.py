@@ -43,22 +43,24 @@ def device_names(strategy):
 
 # ---------------------------------------------------------------- outputs: fresh, resumed or refused
 
-def prepare_output_dir(cfg, is_chief):
-    """Refuses to mix a finished run's outputs with a new one; clears stale outputs of a run that never
-    finished an epoch. An unfinished run's backup is kept: BackupAndRestore resumes from it."""
-    outputs = [cfg.path(name) for name in (cfg.checkpoint_dir, cfg.log_dir, cfg.backup_dir, cfg.results_file)]
-    finished = os.path.exists(cfg.path(cfg.results_file))
-    if finished and not cfg.overwrite:
+def refuse_finished_run(cfg):
+    """A finished run's outputs are never mixed with a new run's, unless --overwrite says to replace them."""
+    if os.path.exists(cfg.path(cfg.results_file)) and not cfg.overwrite:
         raise UsageError(f"{cfg.output_dir} already holds a finished run ({cfg.results_file}); "
                          "pass --overwrite to replace it, or choose another --output-dir")
-    resuming = os.path.isdir(cfg.path(cfg.backup_dir)) and not finished
-    if is_chief and not resuming:
-        for path in outputs:
-            if os.path.isdir(path):
-                shutil.rmtree(path)
-            elif os.path.exists(path):
-                os.remove(path)
-    os.makedirs(cfg.output_dir, exist_ok=True)
+
+
+def clear_outputs(cfg):
+    """Removes earlier outputs unless an unfinished run's backup is there to resume from."""
+    unfinished = os.path.isdir(cfg.path(cfg.backup_dir)) and not os.path.exists(cfg.path(cfg.results_file))
+    if unfinished:
+        return
+    for name in (cfg.checkpoint_dir, cfg.log_dir, cfg.backup_dir, cfg.results_file):
+        path = cfg.path(name)
+        if os.path.isdir(path):
+            shutil.rmtree(path)
+        elif os.path.exists(path):
+            os.remove(path)
 
 
 def write_json(path, payload):
@@ -87,16 +89,19 @@ def run(cfg):
     if cfg.deterministic:
         tf.config.experimental.enable_op_determinism()
 
-    # Only the chief writes where the user asked; other workers write to a folder they remove at the end.
-    is_chief = strategy.extended.should_checkpoint
-    work_dir = cfg.output_dir if is_chief else tempfile.mkdtemp(prefix="mnist-worker-")
-    prepare_output_dir(cfg, is_chief)
     # Keras's ModelCheckpoint and BackupAndRestore themselves send a non-chief's writes to a temporary folder.
     checkpoint_dir = cfg.path(cfg.checkpoint_dir)
     backup_dir = cfg.path(cfg.backup_dir)
 
-    # Step 2: the data.
+    # Step 2: the data, read before any output is touched so that a bad --data-dir changes nothing.
     datasets, info = data.load(cfg.data_dir)
+
+    # Only the chief writes where the user asked; other workers write to a folder they remove at the end.
+    is_chief = strategy.extended.should_checkpoint
+    if is_chief:
+        clear_outputs(cfg)
+    os.makedirs(cfg.output_dir, exist_ok=True)
+    work_dir = cfg.output_dir if is_chief else tempfile.mkdtemp(prefix="mnist-worker-")
     global_batch = cfg.batch_size_per_replica * strategy.num_replicas_in_sync
     num_train = info.splits["train"].num_examples
     steps = data.steps_per_epoch(num_train, global_batch, cfg.steps_per_epoch)
@@ -165,10 +170,15 @@ def main(argv=None):
     parser = config.build_parser("train_mnist_mirrored.py", __doc__)
     args = parser.parse_args(argv)
     try:
-        return run(config.validate(config.from_args(args)))
+        cfg = config.validate(config.from_args(args))
+        refuse_finished_run(cfg)
+        return run(cfg)
     except UsageError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("error: interrupted; run the same command again to resume after the last finished epoch", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":
