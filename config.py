@@ -124,6 +124,8 @@ def parse_tf_config(raw):
 
 def _check_output_dir(path):
     """The nearest existing folder on the way to `path` must be a folder we can really write in."""
+    if not path.strip():
+        raise UsageError("--output-dir is empty (an unset shell variable?); give a folder, e.g. --output-dir .")
     probe = os.path.abspath(path)
     while not os.path.exists(probe) and os.path.dirname(probe) != probe:
         probe = os.path.dirname(probe)

@@ -1,0 +1,154 @@
+"""Shared fixtures: tiny learnable MNIST IDX files, a prepared tfds data dir, and one smoke run.
+
+Nothing here reads ../shared or the network; every byte of data is made below.
+"""
+
+import gzip
+import json
+import os
+import struct
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+NUM_TRAIN = 320
+NUM_TEST = 64
+IDX_NAMES = {
+    "train": ("train-images-idx3-ubyte", "train-labels-idx1-ubyte"),
+    "test": ("t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte"),
+}
+
+# The smoke run's flags; tests compare results.json against these, not against the code's own output.
+SMOKE_EPOCHS = 1
+SMOKE_STEPS = 3
+SMOKE_BATCH = 16
+# Mirror over two logical CPUs where the machine has two cores, so "global = per-replica x replicas" is
+# checked with more than one replica; validate() refuses more replicas than cores.
+SMOKE_CPU_REPLICAS = 2 if (os.cpu_count() or 1) >= 2 else 0
+
+
+# ---------------------------------------------------------------- IDX writing helpers
+
+def idx_images_bytes(images, count=None):
+    """IDX3 of uint8: magic 0x00000803, count, rows, cols (big-endian), then the payload."""
+    images = np.asarray(images, np.uint8)
+    n = len(images) if count is None else count
+    return struct.pack(">IIII", 0x00000803, n, images.shape[1], images.shape[2]) + images.tobytes()
+
+
+def idx_labels_bytes(labels, count=None):
+    """IDX1 of uint8: magic 0x00000801, count (big-endian), then the payload."""
+    labels = np.asarray(labels, np.uint8)
+    n = len(labels) if count is None else count
+    return struct.pack(">II", 0x00000801, n) + labels.tobytes()
+
+
+def write_gz(path, payload):
+    with gzip.open(path, "wb") as f:
+        f.write(payload)
+
+
+def write_idx_dir(directory, arrays):
+    """Writes the four standard gzip IDX files for {"train": (images, labels), "test": (...)}."""
+    os.makedirs(directory, exist_ok=True)
+    for split, (images, labels) in arrays.items():
+        images_name, labels_name = IDX_NAMES[split]
+        write_gz(os.path.join(directory, images_name + ".gz"), idx_images_bytes(images))
+        write_gz(os.path.join(directory, labels_name + ".gz"), idx_labels_bytes(labels))
+    return str(directory)
+
+
+def make_images(labels, rng):
+    """Each class is a distinct bright 7x7 block on a 4x4 grid of positions, over faint noise."""
+    images = rng.integers(0, 40, size=(len(labels), 28, 28), dtype=np.uint8)
+    for i, label in enumerate(labels):
+        row, col = divmod(int(label), 4)
+        images[i, row * 7:(row + 1) * 7, col * 7:(col + 1) * 7] = rng.integers(200, 256, size=(7, 7))
+    return images
+
+
+def make_split(n, rng):
+    labels = rng.permutation(np.arange(n) % 10).astype(np.uint8)
+    return make_images(labels, rng), labels
+
+
+# ---------------------------------------------------------------- fixtures
+
+@pytest.fixture(scope="session")
+def root():
+    return ROOT
+
+
+@pytest.fixture(scope="session")
+def mnist_arrays():
+    rng = np.random.default_rng(1234)
+    return {"train": make_split(NUM_TRAIN, rng), "test": make_split(NUM_TEST, rng)}
+
+
+@pytest.fixture(scope="session")
+def idx_dir(tmp_path_factory, mnist_arrays):
+    return write_idx_dir(tmp_path_factory.mktemp("idx"), mnist_arrays)
+
+
+@pytest.fixture(scope="session")
+def data_dir(tmp_path_factory, idx_dir):
+    import data
+
+    target = str(tmp_path_factory.mktemp("tfds") / "data")
+    data.prepare(idx_dir, target)
+    return target
+
+
+def subprocess_env():
+    env = dict(os.environ)
+    env.pop("TF_CONFIG", None)
+    env.pop("PYTHONPATH", None)
+    return env
+
+
+def smoke_args(data_dir, output_dir):
+    return ["--epochs", str(SMOKE_EPOCHS), "--steps-per-epoch", str(SMOKE_STEPS),
+            "--batch-size-per-replica", str(SMOKE_BATCH), "--data-dir", data_dir, "--output-dir", output_dir]
+
+
+class SmokeRun:
+    def __init__(self, proc, output_dir):
+        self.returncode = proc.returncode
+        self.stdout = proc.stdout
+        self.stderr = proc.stderr
+        self.output_dir = output_dir
+
+    def path(self, *names):
+        return os.path.join(self.output_dir, *names)
+
+    @property
+    def results(self):
+        with open(self.path("results.json")) as f:
+            return json.load(f)
+
+
+@pytest.fixture(scope="session")
+def smoke_run(tmp_path_factory, data_dir):
+    """The whole entrypoint, once, in its own process (logical devices and strategies are per process)."""
+    output_dir = str(tmp_path_factory.mktemp("smoke") / "out")
+    args = smoke_args(data_dir, output_dir)
+    if SMOKE_CPU_REPLICAS:
+        args += ["--cpu-replicas", str(SMOKE_CPU_REPLICAS)]
+    proc = subprocess.run([sys.executable, "train_mnist_mirrored.py", *args], cwd=ROOT, env=subprocess_env(),
+                          capture_output=True, text=True, timeout=600)
+    return SmokeRun(proc, output_dir)
+
+
+@pytest.fixture(scope="session")
+def smoke_ok(smoke_run):
+    """The smoke run, for tests that only make sense once it succeeded."""
+    assert smoke_run.returncode == 0, (
+        f"smoke run failed (exit {smoke_run.returncode})\nstdout:\n{smoke_run.stdout[-4000:]}\n"
+        f"stderr:\n{smoke_run.stderr[-4000:]}")
+    return smoke_run

@@ -1,0 +1,144 @@
+"""Spec items 8 (training part), 10, 11: the entrypoint's one-line refusals, run in-process."""
+
+import json
+import os
+import shutil
+
+import pytest
+
+import data
+import train_mnist_mirrored
+from conftest import smoke_args
+
+CLOSED_PORT = ("127.0.0.1", 9)  # discard port; nothing listens there on a test machine
+
+
+def _one_error_line(capsys):
+    err = capsys.readouterr().err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    assert lines[0].startswith("error:"), err
+    return lines[0]
+
+
+# ---------------------------------------------------------------- 10. bad flags
+
+@pytest.fixture
+def quick_args(tmp_path):
+    def make(*extra, output_dir=None):
+        return ["--epochs", "1", "--steps-per-epoch", "3", "--batch-size-per-replica", "16",
+                "--data-dir", str(tmp_path / "unused-data"), "--output-dir", output_dir or str(tmp_path / "out"),
+                *extra]
+    return make
+
+
+@pytest.mark.parametrize("flags, words", [
+    (["--epochs", "0"], ["--epochs"]),
+    (["--epochs", "-1"], ["--epochs"]),
+    (["--batch-size-per-replica", "0"], ["--batch-size-per-replica"]),
+    (["--cpu-replicas", "-1"], ["--cpu-replicas"]),
+    (["--cpu-replicas", "999"], ["--cpu-replicas", "999"]),
+], ids=["epochs0", "epochs-1", "batch0", "cpu-replicas-1", "cpu-replicas999"])
+def test_bad_numbers_are_refused(flags, words, quick_args, tmp_path, capsys):
+    rc = train_mnist_mirrored.main(quick_args(*flags))
+    line = _one_error_line(capsys)
+    assert rc != 0
+    for word in words:
+        assert word in line
+    assert not (tmp_path / "out").exists()  # refused before anything is written
+
+
+def test_output_dir_that_is_a_file_is_refused_and_untouched(quick_args, tmp_path, capsys):
+    target = tmp_path / "a_file"
+    content = b"precious bytes\n"
+    target.write_bytes(content)
+    rc = train_mnist_mirrored.main(quick_args(output_dir=str(target)))
+    line = _one_error_line(capsys)
+    assert rc != 0
+    assert "--output-dir" in line
+    assert target.read_bytes() == content
+
+
+def test_output_dir_below_a_file_is_refused(quick_args, tmp_path, capsys):
+    target = tmp_path / "a_file"
+    target.write_bytes(b"x")
+    rc = train_mnist_mirrored.main(quick_args(output_dir=str(target / "sub")))
+    line = _one_error_line(capsys)
+    assert rc != 0
+    assert "--output-dir" in line
+    assert target.read_bytes() == b"x"
+
+
+def test_empty_output_dir_is_refused(tmp_path, monkeypatch, capsys):
+    """--output-dir "" (an unset shell variable) is refused up front instead of crashing later."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("TF_CONFIG", raising=False)
+    rc = train_mnist_mirrored.main(["--epochs", "1", "--output-dir", ""])
+    assert rc != 0
+    assert "--output-dir" in _one_error_line(capsys)
+    assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("tf_config, words", [
+    (None, ["TF_CONFIG"]),
+    ("{not json", ["TF_CONFIG", "JSON"]),
+    (json.dumps({"cluster": {"worker": ["localhost:12345", "localhost:23456"]},
+                 "task": {"type": "worker", "index": 5}}), ["index", "5"]),
+], ids=["unset", "not-json", "bad-index"])
+def test_multiworker_needs_a_valid_tf_config(tf_config, words, quick_args, tmp_path, monkeypatch, capsys):
+    if tf_config is None:
+        monkeypatch.delenv("TF_CONFIG", raising=False)
+    else:
+        monkeypatch.setenv("TF_CONFIG", tf_config)
+    rc = train_mnist_mirrored.main(quick_args("--strategy", "multiworker"))
+    line = _one_error_line(capsys)
+    assert rc != 0
+    for word in words:
+        assert word in line
+    assert not (tmp_path / "out").exists()
+
+
+# ---------------------------------------------------------------- 8. no prepared data, offline
+
+def test_missing_prepared_data_points_at_data_py_prepare(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(data, "DOWNLOAD_HOST", CLOSED_PORT)
+    monkeypatch.delenv("TF_CONFIG", raising=False)
+    empty = tmp_path / "empty_tfds"
+    empty.mkdir()
+    rc = train_mnist_mirrored.main(smoke_args(str(empty), str(tmp_path / "out")))
+    line = _one_error_line(capsys)
+    assert rc != 0
+    assert "data.py prepare" in line
+    assert str(empty) in line
+    assert os.listdir(empty) == []  # nothing half-downloaded
+    assert not (tmp_path / "out").exists()  # the data is read before any output is touched
+
+
+def test_nonexistent_data_dir_points_at_data_py_prepare(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(data, "DOWNLOAD_HOST", CLOSED_PORT)
+    monkeypatch.delenv("TF_CONFIG", raising=False)
+    missing = tmp_path / "no_such_dir"
+    rc = train_mnist_mirrored.main(smoke_args(str(missing), str(tmp_path / "out")))
+    line = _one_error_line(capsys)
+    assert rc != 0
+    assert "data.py prepare" in line
+    assert not missing.exists()
+
+
+# ---------------------------------------------------------------- 11. a finished run is not overwritten
+
+def test_rerun_into_finished_output_dir_refuses_without_overwrite(smoke_ok, data_dir, tmp_path, monkeypatch, capsys):
+    monkeypatch.delenv("TF_CONFIG", raising=False)
+    copy = tmp_path / "finished"
+    shutil.copytree(smoke_ok.output_dir, copy)
+    before = {p: (copy / p).read_bytes() for p in ("results.json",)}
+    checkpoints_before = sorted(os.listdir(copy / "training_checkpoints"))
+
+    rc = train_mnist_mirrored.main(smoke_args(data_dir, str(copy)))
+
+    line = _one_error_line(capsys)
+    assert rc != 0
+    assert "--overwrite" in line
+    assert (copy / "results.json").read_bytes() == before["results.json"]
+    assert sorted(os.listdir(copy / "training_checkpoints")) == checkpoints_before
+    assert (copy / "saved_model" / "saved_model.pb").is_file()

@@ -1,0 +1,179 @@
+"""Spec items 2, 5, 6: one real run of the entrypoint (conftest's smoke_run) and what it leaves behind."""
+
+import glob
+import json
+import os
+import re
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import export
+import model
+from conftest import ROOT, SMOKE_BATCH, SMOKE_CPU_REPLICAS, SMOKE_EPOCHS, SMOKE_STEPS, NUM_TEST, subprocess_env
+
+
+# ---------------------------------------------------------------- 5. the run itself
+
+def test_smoke_run_exits_zero(smoke_run):
+    assert smoke_run.returncode == 0, smoke_run.stderr[-4000:]
+    assert "Traceback" not in smoke_run.stderr
+
+
+def test_smoke_run_prints_device_count_matching_results(smoke_ok):
+    match = re.search(r"^Number of devices: (\d+)$", smoke_ok.stdout, re.M)
+    assert match, smoke_ok.stdout[-2000:]
+    assert int(match.group(1)) == smoke_ok.results["replicas"]
+    if SMOKE_CPU_REPLICAS:
+        assert smoke_ok.results["replicas"] == SMOKE_CPU_REPLICAS
+
+
+def test_smoke_run_prints_the_optimizer_learning_rate(smoke_ok):
+    match = re.search(r"^Learning rate for epoch 1 is (0\.001\S*)$", smoke_ok.stdout, re.M)
+    assert match, smoke_ok.stdout[-2000:]
+    assert float(match.group(1)) == pytest.approx(1e-3, rel=1e-6)
+    assert not re.search(r"^Learning rate for epoch 2 ", smoke_ok.stdout, re.M)  # one epoch only
+
+
+def test_smoke_run_writes_checkpoint(smoke_ok):
+    ckpt_dir = smoke_ok.path("training_checkpoints")
+    assert os.path.isfile(os.path.join(ckpt_dir, "ckpt_1.index"))
+    assert glob.glob(os.path.join(ckpt_dir, "ckpt_1.data-*-of-*"))
+    assert os.path.isfile(os.path.join(ckpt_dir, "checkpoint"))
+    latest = tf.train.latest_checkpoint(ckpt_dir)
+    assert latest is not None and latest.endswith("ckpt_1")
+    # The checkpoint holds the model's weights: the first conv kernel has the tutorial's shape.
+    shapes = dict(tf.train.list_variables(latest))
+    assert [3, 3, 1, 32] in shapes.values()
+
+
+def _scalars(log_dir):
+    """{tag: [values]} from every TensorBoard event file under log_dir."""
+    found = {}
+    files = glob.glob(os.path.join(log_dir, "**", "events.out.tfevents.*"), recursive=True)
+    for path in files:
+        for event in tf.compat.v1.train.summary_iterator(path):
+            for value in event.summary.value:
+                if value.HasField("tensor"):
+                    number = tf.make_ndarray(value.tensor)
+                    if number.ndim != 0 or number.dtype.kind not in "fiu":
+                        continue
+                    found.setdefault(value.tag, []).append(float(number))
+                elif value.HasField("simple_value"):
+                    found.setdefault(value.tag, []).append(value.simple_value)
+    return files, found
+
+
+def test_smoke_run_writes_tensorboard_scalars(smoke_ok):
+    files, scalars = _scalars(smoke_ok.path("logs"))
+    assert files, "no TensorBoard event files under logs/"
+    for tag in ("epoch_loss", "epoch_accuracy", "epoch_lr"):
+        assert tag in scalars, sorted(scalars)
+        assert len(scalars[tag]) == SMOKE_EPOCHS
+    assert scalars["epoch_lr"][0] == pytest.approx(1e-3, rel=1e-6)
+    assert 0.0 <= scalars["epoch_accuracy"][0] <= 1.0
+    assert np.isfinite(scalars["epoch_loss"][0]) and scalars["epoch_loss"][0] > 0
+
+
+def test_smoke_run_writes_saved_model(smoke_ok):
+    saved = smoke_ok.path("saved_model")
+    assert os.path.isfile(os.path.join(saved, "saved_model.pb"))
+    assert os.path.isdir(os.path.join(saved, "variables"))
+    # The export is moved into place; no half-written siblings stay behind, and the finished run's backup is gone.
+    assert not os.path.exists(saved + ".partial")
+    assert not os.path.exists(saved + ".old")
+    assert not os.path.exists(smoke_ok.path("backup"))
+
+
+def test_smoke_run_results_json(smoke_ok):
+    results = smoke_ok.results
+    for key in ("replicas", "epochs", "train_images_per_s", "eval_accuracy_checkpoint",
+                "eval_accuracy_unreplicated", "eval_accuracy_replicated"):
+        assert key in results, key
+    assert results["epochs"] == SMOKE_EPOCHS
+    assert results["replicas"] >= 1
+    assert results["steps_per_epoch"] == SMOKE_STEPS
+    assert results["train_images_per_s"] > 0
+    acc = results["eval_accuracy_checkpoint"]
+    assert results["eval_accuracy_unreplicated"] == acc
+    assert results["eval_accuracy_replicated"] == acc
+    # The data is learnable (one bright block per class); even 3 steps beat chance (0.1) by far.
+    assert 0.5 < acc <= 1.0
+    # results.json is also what the run printed last.
+    assert json.loads(smoke_ok.stdout[smoke_ok.stdout.rindex("\n{"):]) == results
+
+
+# ---------------------------------------------------------------- 2. global batch
+
+def test_global_batch_is_per_replica_times_replicas(smoke_ok):
+    results = smoke_ok.results
+    assert results["global_batch_size"] == SMOKE_BATCH * results["replicas"]
+    assert results["train_images"] == SMOKE_STEPS * SMOKE_BATCH * results["replicas"] * SMOKE_EPOCHS
+
+
+# ---------------------------------------------------------------- 6. checkpoint vs SavedModel
+
+@pytest.fixture(scope="module")
+def test_images(mnist_arrays):
+    images, labels = mnist_arrays["test"]
+    return (images[:24, ..., None].astype(np.float32) / 255.0), labels[:24]
+
+
+@pytest.fixture(scope="module")
+def checkpoint_predictions(smoke_ok, test_images):
+    net = model.build_model()
+    net.load_weights(tf.train.latest_checkpoint(smoke_ok.path("training_checkpoints"))).expect_partial()
+    return net.predict(test_images[0], verbose=0)
+
+
+def test_checkpoint_model_is_trained(checkpoint_predictions, test_images):
+    # Restored weights, not a fresh initialisation: they classify the learnable test images.
+    accuracy = np.mean(np.argmax(checkpoint_predictions, axis=1) == test_images[1])
+    assert accuracy > 0.5
+
+
+SERVE_SCRIPT = textwrap.dedent("""
+    import os, sys
+    import numpy as np
+    import tensorflow as tf
+    root, saved, images_path, out_path = sys.argv[1:5]
+    assert not any(os.path.exists(p) and os.path.samefile(p, root) for p in sys.path if p), sys.path
+    for name in ("model", "export", "callbacks"):
+        assert name not in sys.modules
+    fn = tf.saved_model.load(saved).signatures["serving_default"]
+    (input_name,) = fn.structured_input_signature[1].keys()
+    outputs = fn(**{input_name: tf.constant(np.load(images_path))})
+    (logits,) = outputs.values()
+    np.save(out_path, logits.numpy())
+""")
+
+
+def test_saved_model_serves_same_predictions_without_project_code(smoke_ok, test_images, checkpoint_predictions,
+                                                                  tmp_path):
+    images_path, out_path = tmp_path / "images.npy", tmp_path / "logits.npy"
+    np.save(images_path, test_images[0])
+    proc = subprocess.run([sys.executable, "-c", SERVE_SCRIPT, ROOT, smoke_ok.path("saved_model"),
+                           str(images_path), str(out_path)],
+                          cwd=tmp_path, env=subprocess_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    served = np.load(out_path)
+    assert served.shape == checkpoint_predictions.shape == (len(test_images[0]), 10)
+    np.testing.assert_allclose(served, checkpoint_predictions, atol=1e-5, rtol=0)
+
+
+def test_saved_model_cli_shows_serving_default(smoke_ok, tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "tensorflow.python.tools.saved_model_cli", "show",
+                           "--dir", smoke_ok.path("saved_model"), "--all"],
+                          cwd=tmp_path, env=subprocess_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "serving_default" in proc.stdout
+
+
+def test_export_reload_predicts_like_the_checkpoint(smoke_ok, test_images, checkpoint_predictions):
+    reloaded = export.reload(smoke_ok.path("saved_model"))
+    np.testing.assert_allclose(reloaded.predict(test_images[0], verbose=0), checkpoint_predictions,
+                               atol=1e-5, rtol=0)

@@ -1,0 +1,56 @@
+"""Spec items 1, 3, 4: the learning-rate schedule, the pixel scaling and the model's shape."""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import callbacks
+import data
+import model
+from config import Config
+
+
+# ---------------------------------------------------------------- 1. schedule
+
+@pytest.mark.parametrize("epoch, expected", [
+    (0, 1e-3), (2, 1e-3),   # epochs 0-2
+    (3, 1e-4), (6, 1e-4),   # epochs 3-6
+    (7, 1e-5), (11, 1e-5),  # epochs 7 on
+])
+def test_decay_matches_tutorial_schedule(epoch, expected):
+    cfg = Config()
+    assert callbacks.decay(epoch, cfg.lr_boundaries, cfg.lr_values) == pytest.approx(expected, rel=1e-12)
+
+
+# ---------------------------------------------------------------- 3. scale
+
+def test_scale_maps_uint8_to_unit_float32():
+    pixels = tf.constant(np.arange(256, dtype=np.uint8).reshape(16, 16, 1))
+    label = tf.constant(7, tf.int64)
+    image, out_label = data.scale(pixels, label)
+    assert image.dtype == tf.float32
+    values = image.numpy()
+    assert values.min() >= 0.0 and values.max() <= 1.0
+    assert values.flat[0] == 0.0
+    assert values.flat[255] == 1.0
+    np.testing.assert_allclose(values.ravel(), np.arange(256) / 255.0, rtol=1e-6)
+    assert int(out_label) == 7  # the label passes through untouched
+
+
+# ---------------------------------------------------------------- 4. model
+
+def test_model_layer_shapes_and_parameter_count():
+    net = model.build_model()
+    shapes = [tuple(layer.output_shape) for layer in net.layers]
+    assert shapes == [(None, 26, 26, 32), (None, 13, 13, 32), (None, 5408), (None, 64), (None, 10)]
+
+    independent = (3 * 3 * 1 + 1) * 32 + (13 * 13 * 32 + 1) * 64 + (64 + 1) * 10
+    assert independent == 347146
+    assert net.count_params() == 347146
+    assert net.count_params() == independent
+
+
+def test_model_outputs_logits_for_a_batch():
+    net = model.build_model()
+    out = net(np.zeros((3, 28, 28, 1), np.float32))
+    assert tuple(out.shape) == (3, 10)
