@@ -30,14 +30,15 @@ class Config:
     epochs: int = _option(12, "number of epochs to train")
     batch_size_per_replica: int = _option(64, "batch size on each replica; the global batch is this times the replica count")
     buffer_size: int = _option(10000, "shuffle buffer size, in examples")
-    data_dir: typing.Optional[str] = _option(None, "tfds data dir (default: tfds's own, ~/tensorflow_datasets)")
+    data_dir: typing.Optional[str] = _option(None, "tfds data dir; unset means tfds's own, ~/tensorflow_datasets")
+    idx_dir: typing.Optional[str] = _option(None, "offline: if --data-dir holds no prepared mnist, prepare it first from the four MNIST IDX files here")
     output_dir: str = _option(".", "where training_checkpoints/, logs/, saved_model/ and results.json are written")
     steps_per_epoch: typing.Optional[int] = _option(None, "train at most this many steps each epoch (for quick smoke runs)")
 
     # Distribution.
     strategy: str = _option("mirrored", "distribution strategy; multiworker reads the cluster from TF_CONFIG", choices=STRATEGIES)
     cpu_replicas: int = _option(0, "split the host CPU into N logical devices and mirror across them (0: off)")
-    devices: typing.Optional[str] = _option(None, "comma-separated devices to mirror across, e.g. /gpu:0,/gpu:1 (default: all GPUs)")
+    devices: typing.Optional[str] = _option(None, "comma-separated devices to mirror across, e.g. /gpu:0,/gpu:1; unset means all GPUs")
 
     # Faults and reproducibility.
     seed: int = _option(42, "seed for Python, NumPy, TensorFlow and the shuffle")
@@ -46,7 +47,8 @@ class Config:
 
     # Speed: each default is the fastest measured value (README, "Speed").
     steps_per_execution: int = _option(50, "train steps run inside one tf.function call")
-    prefetch: bool = _option(True, "prefetch input batches while the model trains")
+    fused_adam: bool = _option(True, "Adam through TensorFlow's fused kernel (keras.optimizers.legacy.Adam): same update, fewer ops")
+    prefetch: bool = _option(False, "add a tf.data prefetch after batching (the distributed iterator already prefetches)")
     jit_compile: bool = _option(False, "compile the train step with XLA")
 
     # The tutorial's schedule: 1e-3 for epochs 0-2, 1e-4 for 3-6, 1e-5 after.

@@ -131,20 +131,25 @@ def _online():
     return bool(result)
 
 
-def load(data_dir=None):
-    """Tutorial: `tfds.load('mnist', with_info=True, as_supervised=True)`; fails fast offline."""
-    if data_dir is not None and not os.path.isdir(data_dir):
+def load(data_dir=None, idx_dir=None):
+    """Tutorial: `tfds.load('mnist', with_info=True, as_supervised=True)`; fails fast offline.
+
+    With `idx_dir`, a data dir that holds no prepared mnist is prepared from the IDX files first.
+    """
+    if data_dir is not None and not os.path.isdir(data_dir) and idx_dir is None:
         raise UsageError(f"--data-dir {data_dir} does not exist; prepare it with: {PREPARE_HINT} --data-dir {data_dir}")
     builder = tfds.builder("mnist", data_dir=data_dir)
-    if not builder.is_prepared() and not _online():
-        where = data_dir or builder.data_dir
-        raise UsageError(f"no prepared mnist in {where} and no internet to download it; "
-                         f"run: {PREPARE_HINT} --data-dir {data_dir or '~/tensorflow_datasets'}")
+    if not builder.is_prepared():
+        if idx_dir is not None:
+            prepare(idx_dir, data_dir)
+        elif not _online():
+            raise UsageError(f"no prepared mnist in {data_dir or builder.data_dir} and no internet to download it; "
+                             f"run: {PREPARE_HINT} --data-dir {data_dir or '~/tensorflow_datasets'}, "
+                             "or pass --idx-dir DIR_WITH_IDX_FILES")
     try:
         datasets, info = tfds.load("mnist", data_dir=data_dir, with_info=True, as_supervised=True)
     except (OSError, ValueError, AssertionError, tf.errors.OpError) as err:
-        where = data_dir or builder.data_dir
-        raise UsageError(f"the mnist dataset in {where} cannot be read ({type(err).__name__}); "
+        raise UsageError(f"the mnist dataset in {data_dir or builder.data_dir} cannot be read ({type(err).__name__}); "
                          f"prepare it again into an empty dir: {PREPARE_HINT} --data-dir NEW_DIR") from None
     return datasets, info
 

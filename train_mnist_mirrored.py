@@ -94,7 +94,7 @@ def run(cfg):
     backup_dir = cfg.path(cfg.backup_dir)
 
     # Step 2: the data, read before any output is touched so that a bad --data-dir changes nothing.
-    datasets, info = data.load(cfg.data_dir)
+    datasets, info = data.load(cfg.data_dir, cfg.idx_dir)
 
     # Only the chief writes where the user asked; other workers write to a folder they remove at the end.
     is_chief = strategy.extended.should_checkpoint
@@ -113,7 +113,8 @@ def run(cfg):
 
     # Step 3: the model, inside the strategy's scope.
     with strategy.scope():
-        model = compile_model(build_model(), steps_per_execution=cfg.steps_per_execution, jit_compile=cfg.jit_compile)
+        model = compile_model(build_model(), steps_per_execution=cfg.steps_per_execution,
+                              jit_compile=cfg.jit_compile, fused_adam=cfg.fused_adam)
 
     # Step 4: training. A resumed run starts at the epoch after the last one backed up.
     if first_epoch:
