@@ -43,7 +43,7 @@ class Config:
     # Faults and reproducibility.
     seed: int = _option(42, "seed for Python, NumPy, TensorFlow and the shuffle")
     deterministic: bool = _option(False, "enable TensorFlow op determinism (bit-identical reruns, slower)")
-    overwrite: bool = _option(False, "replace a finished run already in --output-dir")
+    overwrite: bool = _option(False, "start afresh, replacing a finished or unfinished run already in --output-dir")
 
     # Speed: each default is the fastest measured value (README, "Speed").
     steps_per_execution: int = _option(50, "train steps run inside one tf.function call")

@@ -51,9 +51,9 @@ def refuse_finished_run(cfg):
 
 
 def clear_outputs(cfg):
-    """Removes earlier outputs unless an unfinished run's backup is there to resume from."""
+    """Removes earlier outputs, unless an unfinished run's backup is there to resume from (and no --overwrite)."""
     unfinished = os.path.isdir(cfg.path(cfg.backup_dir)) and not os.path.exists(cfg.path(cfg.results_file))
-    if unfinished:
+    if unfinished and not cfg.overwrite:
         return
     for name in (cfg.checkpoint_dir, cfg.log_dir, cfg.backup_dir, cfg.results_file):
         path = cfg.path(name)
@@ -79,7 +79,8 @@ def run(cfg):
     strategy = make_strategy(cfg, tf)
     print(f"Number of devices: {strategy.num_replicas_in_sync}")
 
-    # Imported after the strategy: MultiWorkerMirroredStrategy must exist before any other op.
+    # Imported here rather than at the top, so that a bad flag is reported before TensorFlow loads, and after
+    # the strategy, which (for multi-worker) must exist before anything else touches the runtime.
     import callbacks
     import data
     import export

@@ -99,3 +99,20 @@ def test_killed_run_resumes_and_matches_uninterrupted(tmp_path, resume_data_dir,
         np.testing.assert_array_equal(got[name], expected[name], err_msg=name)
     assert not os.path.exists(os.path.join(output_dir, "backup"))
     assert not os.path.exists(os.path.join(uninterrupted, "backup"))
+
+
+def test_overwrite_replaces_a_finished_run_without_mixing_checkpoints(tmp_path, resume_data_dir, uninterrupted):
+    import shutil
+
+    output_dir = str(tmp_path / "out")
+    shutil.copytree(uninterrupted, output_dir)
+    assert os.path.exists(os.path.join(output_dir, "training_checkpoints", f"ckpt_{EPOCHS}.index"))
+    proc = subprocess.run([sys.executable, "train_mnist_mirrored.py", "--epochs", "1", "--steps-per-epoch", "5",
+                           "--data-dir", resume_data_dir, "--output-dir", output_dir, "--overwrite"],
+                          cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = json.loads(open(os.path.join(output_dir, "results.json")).read())
+    assert results["epochs"] == 1 and results["resumed_from_epoch"] == 0
+    # Only the new run's checkpoint is left: none of the old run's four survive beside it.
+    names = sorted(os.listdir(os.path.join(output_dir, "training_checkpoints")))
+    assert names == ["checkpoint", "ckpt_1.data-00000-of-00001", "ckpt_1.index"]
