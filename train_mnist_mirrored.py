@@ -31,10 +31,15 @@ def make_strategy(cfg, tf):
         return tf.distribute.MultiWorkerMirroredStrategy()
     if cfg.strategy == "default":
         return tf.distribute.get_strategy()
-    try:
-        return tf.distribute.MirroredStrategy(devices=cfg.device_list)
-    except ValueError as err:
-        raise UsageError(f"--devices {cfg.devices}: {err}; list the devices with tf.config.list_logical_devices()") from None
+    if cfg.device_list:
+        # MirroredStrategy would accept a device this machine lacks and quietly place work elsewhere.
+        known = {tf.DeviceSpec.from_string(d.name).replace(job=None, replica=None, task=None).to_string().lower()
+                 for d in tf.config.list_logical_devices()}
+        missing = [d for d in cfg.device_list if tf.DeviceSpec.from_string(d).to_string().lower() not in known]
+        if missing:
+            raise UsageError(f"--devices names {', '.join(missing)}, which this machine does not have; "
+                             f"choose from {', '.join(sorted(known))}")
+    return tf.distribute.MirroredStrategy(devices=cfg.device_list)
 
 
 def device_names(strategy):

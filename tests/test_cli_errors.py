@@ -142,3 +142,15 @@ def test_rerun_into_finished_output_dir_refuses_without_overwrite(smoke_ok, data
     assert (copy / "results.json").read_bytes() == before["results.json"]
     assert sorted(os.listdir(copy / "training_checkpoints")) == checkpoints_before
     assert (copy / "saved_model" / "saved_model.pb").is_file()
+
+
+def test_devices_this_machine_lacks_are_refused(data_dir, tmp_path, monkeypatch, capsys):
+    """MirroredStrategy itself would accept /gpu:7 on a CPU-only machine and train elsewhere."""
+    monkeypatch.delenv("TF_CONFIG", raising=False)
+    output_dir = tmp_path / "out"
+    rc = train_mnist_mirrored.main(["--epochs", "1", "--steps-per-epoch", "3", "--data-dir", data_dir,
+                                    "--output-dir", str(output_dir), "--devices", "/gpu:7"])
+    assert rc != 0
+    line = _one_error_line(capsys)
+    assert "/gpu:7" in line and "cpu:0" in line
+    assert not output_dir.exists()
