@@ -166,6 +166,11 @@ def steps_per_epoch(num_examples, global_batch, limit=None):
     return min(steps, limit) if limit else steps
 
 
+def images_per_epoch(steps, global_batch, num_examples):
+    """Images one epoch of `steps` batches trains on: only an epoch's last batch can be short."""
+    return min(steps * global_batch, num_examples)
+
+
 def _distribute_by_data(dataset):
     # MNIST is one file per split, so multi-worker sharding must split examples, not files.
     options = tf.data.Options()

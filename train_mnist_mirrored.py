@@ -132,7 +132,7 @@ def run(cfg):
         start = time.perf_counter()
         model.fit(train, epochs=cfg.epochs, steps_per_epoch=steps, callbacks=cbs)
         train_seconds = time.perf_counter() - start
-        train_images = (cfg.epochs - first_epoch) * min(steps * global_batch, num_train)
+        train_images = (cfg.epochs - first_epoch) * data.images_per_epoch(steps, global_batch, num_train)
 
     # Step 5: the latest checkpoint, restored and evaluated. A non-chief that just trained skips the restore:
     # synchronous training left it the chief's weights, and the chief may still be writing that checkpoint.
