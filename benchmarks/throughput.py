@@ -7,11 +7,17 @@ full epochs; the first epoch includes the input cache fill and tracing, as in a 
 the wall time of `fit`. Also measured: a compute-only ceiling, the same train step
 looping over batches already resident in memory inside one tf.function, with no input pipeline and no
 per-step Python. Figures are printed and written to `--output` (JSON).
+
+Wall time suffers when the machine is shared: a virtual machine's host may run other guests on its cores
+(steal time; 19 % of this project's 2-core machine during one run). So each round also reports images per
+CPU-second of its own process (all threads), which stolen time does not count, and the round's steal share.
 """
 
 import argparse
 import dataclasses
 import json
+import platform
+import resource
 import os
 import statistics
 import subprocess
@@ -29,7 +35,11 @@ import data  # noqa: E402
 from config import Config, UsageError  # noqa: E402
 from model import build_model, compile_model, keras  # noqa: E402
 
-RESULT_MARK = "BENCH images/s "
+RESULT_MARK = "BENCH "
+PROC_STAT = "/proc/stat"  # Linux's CPU time counters; the 8th is time stolen by the hypervisor
+STEAL_COLUMN = 7
+# Wall-time ratio (what a user waits for) and CPU-time ratio (what stolen time does not blur).
+RATIO_KEYS = {"images_per_s": "ratio_to_tutorial", "images_per_cpu_s": "cpu_ratio_to_tutorial"}
 
 # Each variant is the project's default run with one change undone, or (prefetch, jit_compile) one more tried.
 VARIANTS = {
@@ -39,6 +49,36 @@ VARIANTS = {
     "prefetch": {"prefetch": True},
     "jit_compile": {"jit_compile": True},
 }
+
+
+def _cpu_seconds():
+    usage = resource.getrusage(resource.RUSAGE_SELF)  # every thread of this process
+    return usage.ru_utime + usage.ru_stime
+
+
+def _timed(work):
+    """(wall seconds, CPU seconds of this process) that `work()` took."""
+    wall, cpu = time.perf_counter(), _cpu_seconds()
+    work()
+    return time.perf_counter() - wall, _cpu_seconds() - cpu
+
+
+def _cpu_ticks():
+    """(stolen, total) CPU ticks of the whole machine so far, or None where the kernel does not say."""
+    try:
+        with open(PROC_STAT) as f:
+            ticks = [int(field) for field in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    return (ticks[STEAL_COLUMN], sum(ticks)) if len(ticks) > STEAL_COLUMN else None
+
+
+def _cpu_model():
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return platform.processor() or platform.machine()
 
 
 def tutorial_round(datasets, info, cfg, strategy, epochs, work_dir):
@@ -51,11 +91,8 @@ def tutorial_round(datasets, info, cfg, strategy, epochs, work_dir):
     cbs = [keras.callbacks.TensorBoard(log_dir=os.path.join(work_dir, "logs")),
            keras.callbacks.ModelCheckpoint(os.path.join(work_dir, "ckpt_{epoch}"), save_weights_only=True),
            schedule, callbacks.PrintLR()]
-    start = time.perf_counter()
-    model.fit(train, epochs=epochs, callbacks=cbs, verbose=0)
-    seconds = time.perf_counter() - start
-    num_train = info.splits["train"].num_examples
-    return num_train * epochs / seconds
+    times = _timed(lambda: model.fit(train, epochs=epochs, callbacks=cbs, verbose=0))
+    return info.splits["train"].num_examples * epochs, times
 
 
 def project_round(datasets, info, cfg, strategy, epochs, work_dir):
@@ -70,10 +107,8 @@ def project_round(datasets, info, cfg, strategy, epochs, work_dir):
                               jit_compile=cfg.jit_compile, fused_adam=cfg.fused_adam)
     cbs = callbacks.make_callbacks(cfg, log_dir=os.path.join(work_dir, "logs"),
                                    checkpoint_dir=os.path.join(work_dir, "ckpt"), backup_dir=os.path.join(work_dir, "backup"))
-    start = time.perf_counter()
-    model.fit(train, epochs=epochs, steps_per_epoch=steps, callbacks=cbs, verbose=0)
-    seconds = time.perf_counter() - start
-    return epochs * data.images_per_epoch(steps, global_batch, num_train) / seconds
+    times = _timed(lambda: model.fit(train, epochs=epochs, steps_per_epoch=steps, callbacks=cbs, verbose=0))
+    return epochs * data.images_per_epoch(steps, global_batch, num_train), times
 
 
 def compute_ceiling(datasets, info, cfg, strategy, epochs):
@@ -94,11 +129,8 @@ def compute_ceiling(datasets, info, cfg, strategy, epochs):
             strategy.run(model.train_step, args=((images[i], labels[i]),))
 
     train_epoch()  # trace and warm up outside the timing
-    start = time.perf_counter()
-    for _ in range(epochs):
-        train_epoch()
-    seconds = time.perf_counter() - start
-    return full * global_batch * epochs / seconds
+    times = _timed(lambda: [train_epoch() for _ in range(epochs)])
+    return full * global_batch * epochs, times
 
 
 def measure_one(name, data_dir, epochs):
@@ -116,12 +148,24 @@ def measure_one(name, data_dir, epochs):
 
 
 def run_one(name, data_dir, epochs):
+    """Runs one round in a fresh process; its figures plus the machine's steal share while it ran."""
+    before = _cpu_ticks()
     proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--data-dir", data_dir, "--epochs", str(epochs),
                            "--one", name], capture_output=True, text=True)
     marks = [line for line in proc.stdout.splitlines() if line.startswith(RESULT_MARK)]
     if proc.returncode != 0 or not marks:
         raise RuntimeError(f"the {name} round failed:\n{proc.stderr[-3000:]}")
-    return float(marks[-1][len(RESULT_MARK):])
+    figures = json.loads(marks[-1][len(RESULT_MARK):])
+    after = _cpu_ticks()
+    stolen = None
+    if before and after and after[1] > before[1]:
+        stolen = round(100 * (after[0] - before[0]) / (after[1] - before[1]), 1)
+    return {**figures, "steal_percent": stolen}
+
+
+def _describe(figures):
+    steal = "" if figures["steal_percent"] is None else f"   steal {figures['steal_percent']:4.1f} %"
+    return f"{figures['images_per_s']:8.0f} images/s {figures['images_per_cpu_s']:8.0f} images/CPU-s{steal}"
 
 
 def main(argv=None):
@@ -136,7 +180,8 @@ def main(argv=None):
     parser.add_argument("--one", help=argparse.SUPPRESS)  # internal: measure one round in this process
     args = parser.parse_args(argv)
     if args.one:
-        print(f"{RESULT_MARK}{measure_one(args.one, args.data_dir, args.epochs)}")
+        images, (wall, cpu) = measure_one(args.one, args.data_dir, args.epochs)
+        print(RESULT_MARK + json.dumps({"images_per_s": images / wall, "images_per_cpu_s": images / cpu}))
         return 0
     try:
         unknown = set(args.variants.split(",")) - set(VARIANTS)
@@ -152,27 +197,31 @@ def main(argv=None):
         return 2
 
     names = ["tutorial"] + args.variants.split(",")
-    figures = {name: [] for name in names}
+    rounds = {name: [] for name in names}
     for round_ in range(args.rounds):
         for name in names:
-            figures[name].append(run_one(name, data_dir, args.epochs))
-            print(f"round {round_ + 1}  {name:<24} {figures[name][-1]:10.0f} images/s", flush=True)
+            rounds[name].append(run_one(name, data_dir, args.epochs))
+            print(f"round {round_ + 1}  {name:<24} {_describe(rounds[name][-1])}", flush=True)
     ceiling = run_one("ceiling", data_dir, args.epochs)
+    print(f"ceiling  {'train step alone':<24} {_describe(ceiling)}", flush=True)
 
-    baseline = statistics.median(figures["tutorial"])
-    results = {
-        "replicas": 1,
-        "epochs_per_round": args.epochs,
-        "rounds": args.rounds,
-        "images_per_s": {name: [round(r, 1) for r in rates] for name, rates in figures.items()},
-        "median_images_per_s": {name: round(statistics.median(rates), 1) for name, rates in figures.items()},
-        "ratio_to_tutorial": {name: round(statistics.median(rates) / baseline, 3) for name, rates in figures.items()},
-        "compute_ceiling_images_per_s": round(ceiling, 1),
-    }
-    print(f"\n{'pipeline':<24} {'median images/s':>16} {'x tutorial':>11}")
-    for name in names:
-        print(f"{name:<24} {results['median_images_per_s'][name]:>16.0f} {results['ratio_to_tutorial'][name]:>11.2f}")
-    print(f"{'compute ceiling':<24} {ceiling:>16.0f} {ceiling / baseline:>11.2f}")
+    results = {"cpu_model": _cpu_model(), "cpu_cores": os.cpu_count(), "replicas": 1,
+               "epochs_per_round": args.epochs, "rounds": args.rounds}
+    for key in ("images_per_s", "images_per_cpu_s"):
+        rates = {name: [r[key] for r in measured] for name, measured in rounds.items()}
+        medians = {name: statistics.median(values) for name, values in rates.items()}
+        results[key] = {name: [round(v, 1) for v in values] for name, values in rates.items()}
+        results[f"median_{key}"] = {name: round(m, 1) for name, m in medians.items()}
+        results[RATIO_KEYS[key]] = {name: round(m / medians["tutorial"], 3) for name, m in medians.items()}
+        results[f"compute_ceiling_{key}"] = round(ceiling[key], 1)
+    results["steal_percent"] = {name: [r["steal_percent"] for r in measured] for name, measured in rounds.items()}
+
+    print(f"\n{'pipeline':<24} {'images/s':>10} {'x tutorial':>11} {'images/CPU-s':>13} {'x tutorial':>11}")
+    for name in names + ["ceiling"]:
+        wall = results["median_images_per_s"].get(name, results["compute_ceiling_images_per_s"])
+        cpu = results["median_images_per_cpu_s"].get(name, results["compute_ceiling_images_per_cpu_s"])
+        print(f"{name:<24} {wall:>10.0f} {wall / results['median_images_per_s']['tutorial']:>11.2f} "
+              f"{cpu:>13.0f} {cpu / results['median_images_per_cpu_s']['tutorial']:>11.2f}")
     os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
     with open(args.output, "w") as f:
         json.dump(results, f, indent=2)

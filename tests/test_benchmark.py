@@ -19,14 +19,19 @@ def test_benchmark_writes_sane_figures(tmp_path, idx_dir):
                   "--output", str(out))
     assert proc.returncode == 0, proc.stderr[-3000:]
     figures = json.loads(out.read_text())
-    assert set(figures["images_per_s"]) == {"tutorial", "project", "keras_adam"}
-    for rates in figures["images_per_s"].values():
-        assert len(rates) == 2 and all(rate > 0 for rate in rates)
-    medians = {name: statistics.median(rates) for name, rates in figures["images_per_s"].items()}
-    for name, ratio in figures["ratio_to_tutorial"].items():
-        assert abs(ratio - medians[name] / medians["tutorial"]) < 0.01 * ratio + 1e-3
-    assert figures["ratio_to_tutorial"]["tutorial"] == 1.0
-    assert figures["compute_ceiling_images_per_s"] > 0
+    for rates_key, ratio_key in (("images_per_s", "ratio_to_tutorial"), ("images_per_cpu_s", "cpu_ratio_to_tutorial")):
+        assert set(figures[rates_key]) == {"tutorial", "project", "keras_adam"}
+        for rates in figures[rates_key].values():
+            assert len(rates) == 2 and all(rate > 0 for rate in rates)
+        medians = {name: statistics.median(rates) for name, rates in figures[rates_key].items()}
+        for name, ratio in figures[ratio_key].items():
+            assert abs(ratio - medians[name] / medians["tutorial"]) < 0.01 * ratio + 1e-3
+        assert figures[ratio_key]["tutorial"] == 1.0
+        assert figures[f"compute_ceiling_{rates_key}"] > 0
+    # Steal is a share of the machine's CPU time (this test runs on Linux, where /proc/stat gives it).
+    for shares in figures["steal_percent"].values():
+        assert len(shares) == 2 and all(0 <= share <= 100 for share in shares)
+    assert figures["cpu_cores"] >= 1 and figures["cpu_model"]
     # The printed table carries the same ratio.
     assert f"{figures['ratio_to_tutorial']['project']:.2f}" in proc.stdout
 
