@@ -16,9 +16,9 @@ CPU-second of its own process (all threads), which stolen time does not count, a
 import argparse
 import dataclasses
 import json
+import os
 import platform
 import resource
-import os
 import statistics
 import subprocess
 import sys
@@ -37,6 +37,7 @@ from model import build_model, compile_model, keras  # noqa: E402
 
 RESULT_MARK = "BENCH "
 PROC_STAT = "/proc/stat"  # Linux's CPU time counters; the 8th is time stolen by the hypervisor
+PROC_CPUINFO = "/proc/cpuinfo"
 STEAL_COLUMN = 7
 # Wall-time ratio (what a user waits for) and CPU-time ratio (what stolen time does not blur).
 RATIO_KEYS = {"images_per_s": "ratio_to_tutorial", "images_per_cpu_s": "cpu_ratio_to_tutorial"}
@@ -75,7 +76,7 @@ def _cpu_ticks():
 
 def _cpu_model():
     try:
-        with open("/proc/cpuinfo") as f:
+        with open(PROC_CPUINFO) as f:
             return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
     except (OSError, StopIteration):
         return platform.processor() or platform.machine()
@@ -207,21 +208,23 @@ def main(argv=None):
 
     results = {"cpu_model": _cpu_model(), "cpu_cores": os.cpu_count(), "replicas": 1,
                "epochs_per_round": args.epochs, "rounds": args.rounds}
+    table = {name: [] for name in names + ["ceiling"]}  # per row: (median, x tutorial) for each key
     for key in ("images_per_s", "images_per_cpu_s"):
         rates = {name: [r[key] for r in measured] for name, measured in rounds.items()}
         medians = {name: statistics.median(values) for name, values in rates.items()}
+        ratios = {name: m / medians["tutorial"] for name, m in medians.items()}
         results[key] = {name: [round(v, 1) for v in values] for name, values in rates.items()}
         results[f"median_{key}"] = {name: round(m, 1) for name, m in medians.items()}
-        results[RATIO_KEYS[key]] = {name: round(m / medians["tutorial"], 3) for name, m in medians.items()}
+        results[RATIO_KEYS[key]] = {name: round(r, 3) for name, r in ratios.items()}
         results[f"compute_ceiling_{key}"] = round(ceiling[key], 1)
+        for name in names:
+            table[name].append((medians[name], ratios[name]))
+        table["ceiling"].append((ceiling[key], ceiling[key] / medians["tutorial"]))
     results["steal_percent"] = {name: [r["steal_percent"] for r in measured] for name, measured in rounds.items()}
 
     print(f"\n{'pipeline':<24} {'images/s':>10} {'x tutorial':>11} {'images/CPU-s':>13} {'x tutorial':>11}")
-    for name in names + ["ceiling"]:
-        wall = results["median_images_per_s"].get(name, results["compute_ceiling_images_per_s"])
-        cpu = results["median_images_per_cpu_s"].get(name, results["compute_ceiling_images_per_cpu_s"])
-        print(f"{name:<24} {wall:>10.0f} {wall / results['median_images_per_s']['tutorial']:>11.2f} "
-              f"{cpu:>13.0f} {cpu / results['median_images_per_cpu_s']['tutorial']:>11.2f}")
+    for name, ((wall, wall_ratio), (cpu, cpu_ratio)) in table.items():
+        print(f"{name:<24} {wall:>10.0f} {wall_ratio:>11.2f} {cpu:>13.0f} {cpu_ratio:>11.2f}")
     os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
     with open(args.output, "w") as f:
         json.dump(results, f, indent=2)
