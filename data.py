@@ -19,7 +19,7 @@ import tensorflow as tf
 import tensorflow_datasets as tfds
 from tensorflow_datasets.image_classification import mnist as tfds_mnist
 
-from config import UsageError
+from config import EXIT_BAD_INPUT, EXIT_OK, UsageError
 
 IMAGE_SHAPE = (28, 28)
 NUM_CLASSES = 10
@@ -226,9 +226,9 @@ def main(argv=None):
         path = prepare(args.idx_dir, args.data_dir)
     except UsageError as err:
         print(f"error: {err}", file=sys.stderr)
-        return 2
+        return EXIT_BAD_INPUT
     print(f"prepared mnist in {path}; train with: python train_mnist_mirrored.py --data-dir {args.data_dir or '~/tensorflow_datasets'}")
-    return 0
+    return EXIT_OK
 
 
 if __name__ == "__main__":

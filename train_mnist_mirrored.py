@@ -16,7 +16,7 @@ import time
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # keep TensorFlow's C++ start-up chatter off stderr
 
 import config
-from config import UsageError
+from config import EXIT_BAD_INPUT, EXIT_INTERRUPTED, EXIT_OK, UsageError
 
 
 # ---------------------------------------------------------------- step 1: the strategy
@@ -170,7 +170,7 @@ def run(cfg):
     else:
         shutil.rmtree(work_dir, ignore_errors=True)
     print(json.dumps(results, indent=2))
-    return 0
+    return EXIT_OK
 
 
 def main(argv=None):
@@ -182,10 +182,10 @@ def main(argv=None):
         return run(cfg)
     except UsageError as err:
         print(f"error: {err}", file=sys.stderr)
-        return 2
+        return EXIT_BAD_INPUT
     except KeyboardInterrupt:
         print("error: interrupted; run the same command again to resume after the last finished epoch", file=sys.stderr)
-        return 130
+        return EXIT_INTERRUPTED
 
 
 if __name__ == "__main__":
