@@ -7,6 +7,8 @@ tfds data dir with tfds's own builder (so tfds writes, versions and names the fi
 """
 
 import argparse
+import contextlib
+import fcntl
 import gzip
 import math
 import os
@@ -32,6 +34,7 @@ IDX_MAGIC = {3: 0x00000803, 1: 0x00000801}
 DOWNLOAD_HOST = ("storage.googleapis.com", 443)  # where tfds downloads MNIST from
 ONLINE_PROBE_SECONDS = 3
 PREPARE_HINT = "python data.py prepare --idx-dir DIR_WITH_IDX_FILES"
+PREPARE_LOCK = ".mnist-prepare.lock"  # in the data dir; tfds ignores it
 
 
 # ---------------------------------------------------------------- IDX files -> prepared tfds dir
@@ -98,17 +101,40 @@ class _MnistFromIdx(tfds_mnist.MNIST, skip_registration=True):
             yield index, {"image": image[..., None], "label": int(label)}
 
 
-def prepare(idx_dir, data_dir=None):
-    """Writes a prepared `mnist` tfds dataset under data_dir from the IDX files in idx_dir; returns its path."""
+@contextlib.contextmanager
+def _prepare_lock(data_dir):
+    """Runs started together on one (shared) data dir take turns to prepare it: one writes, the others wait."""
+    os.makedirs(data_dir, exist_ok=True)
+    path = os.path.join(data_dir, PREPARE_LOCK)
+    with open(path, "a") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            print(f"waiting for another process preparing mnist in {data_dir} (it holds {path})", flush=True)
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        yield  # closing the file releases the lock, also when the process dies
+
+
+def prepare(idx_dir, data_dir=None, *, exist_ok=False):
+    """Writes a prepared `mnist` tfds dataset under data_dir from the IDX files in idx_dir; returns its path.
+
+    With `exist_ok`, a data dir that another process prepared meanwhile is simply used.
+    """
     if not os.path.isdir(idx_dir):
         raise UsageError(f"--idx-dir {idx_dir} is not a directory; point it at the folder with the MNIST IDX files")
     splits = {split: read_split(idx_dir, split) for split in IDX_FILES}
-    builder = _MnistFromIdx(splits=splits, data_dir=data_dir)
-    if builder.is_prepared():
-        raise UsageError(f"{builder.data_dir} already holds a prepared mnist; remove it first to prepare it again")
-    # tfds writes into an "incomplete" temporary folder and renames it when done, so a killed prepare
-    # leaves no half-written dataset behind.
-    builder.download_and_prepare(download_config=tfds.download.DownloadConfig(try_download_gcs=False))
+    root = data_dir or os.path.dirname(os.path.dirname(tfds.builder("mnist").data_dir))  # tfds's own default
+    with _prepare_lock(root):
+        # Made under the lock, so that it sees what a prepare that held the lock before wrote.
+        builder = _MnistFromIdx(splits=splits, data_dir=data_dir)
+        if builder.is_prepared():
+            if exist_ok:
+                return builder.data_dir
+            raise UsageError(f"{builder.data_dir} already holds a prepared mnist; remove it first to prepare it again")
+        print(f"preparing mnist in {root} from the IDX files in {idx_dir}", flush=True)
+        # tfds writes into an "incomplete" temporary folder and renames it when done, so a killed prepare
+        # leaves no half-written dataset behind.
+        builder.download_and_prepare(download_config=tfds.download.DownloadConfig(try_download_gcs=False))
     return builder.data_dir
 
 
@@ -141,7 +167,7 @@ def load(data_dir=None, idx_dir=None):
     builder = tfds.builder("mnist", data_dir=data_dir)
     if not builder.is_prepared():
         if idx_dir is not None:
-            prepare(idx_dir, data_dir)
+            prepare(idx_dir, data_dir, exist_ok=True)
         elif not _online():
             raise UsageError(f"no prepared mnist in {data_dir or builder.data_dir} and no internet to download it; "
                              f"run: {PREPARE_HINT} --data-dir {data_dir or '~/tensorflow_datasets'}, "
