@@ -27,6 +27,9 @@ class UsageError(Exception):
 
 
 STRATEGIES = ("mirrored", "multiworker", "default")
+# What srun sets for each task of a job step, and TensorFlow's SlurmClusterResolver reads.
+SLURM_STEP_VARS = ("SLURM_PROCID", "SLURM_STEP_NUM_TASKS", "SLURM_STEP_NODELIST", "SLURM_STEP_TASKS_PER_NODE")
+MAX_PORT = 65535
 
 
 def _option(default, help_text, **extra):
@@ -45,9 +48,14 @@ class Config:
     steps_per_epoch: typing.Optional[int] = _option(None, "train at most this many steps each epoch (for quick smoke runs)")
 
     # Distribution.
-    strategy: str = _option("mirrored", "distribution strategy; multiworker reads the cluster from TF_CONFIG", choices=STRATEGIES)
+    strategy: str = _option("mirrored", "distribution strategy; multiworker reads the cluster from TF_CONFIG or, "
+                                        "without it, from Slurm's srun variables", choices=STRATEGIES)
     cpu_replicas: int = _option(0, "split the host CPU into N logical devices and mirror across them (0: off)")
     devices: typing.Optional[str] = _option(None, "comma-separated devices to mirror across, e.g. /gpu:0,/gpu:1; unset means all GPUs")
+
+    # Schedulers: TF_CONFIG (Kubeflow's TFJob writes it) wins; without it, srun's variables describe the cluster.
+    slurm_port_base: int = _option(8888, "under srun without TF_CONFIG: the port of each node's first worker; "
+                                         "the node's next workers take the ports after it (TensorFlow's default 8888)")
 
     # Faults and reproducibility.
     seed: int = _option(42, "seed for Python, NumPy, TensorFlow and the shuffle")
@@ -104,8 +112,13 @@ def validate(cfg):
         raise UsageError("--cpu-replicas and --devices both choose the devices; give only one")
     if cfg.devices is not None and not cfg.device_list:
         raise UsageError("--devices is empty; name devices like /gpu:0,/gpu:1 or leave it out")
+    if not 1 <= cfg.slurm_port_base <= MAX_PORT:
+        raise UsageError(f"--slurm-port-base must be a port number, 1-{MAX_PORT}, got {cfg.slurm_port_base}")
     if cfg.strategy == "multiworker":
-        parse_tf_config(os.environ.get("TF_CONFIG"))
+        if os.environ.get("TF_CONFIG") or not in_slurm(os.environ):
+            parse_tf_config(os.environ.get("TF_CONFIG"))
+        else:
+            parse_slurm(os.environ)
     _check_output_dir(cfg.output_dir)
     return cfg
 
@@ -114,7 +127,8 @@ def parse_tf_config(raw):
     """Returns (task_type, task_index, cluster) from TF_CONFIG's text, or raises UsageError."""
     fix = 'set TF_CONFIG like {"cluster": {"worker": ["host1:port", "host2:port"]}, "task": {"type": "worker", "index": 0}}'
     if not raw:
-        raise UsageError(f"--strategy multiworker needs the TF_CONFIG environment variable; {fix}")
+        raise UsageError("--strategy multiworker needs the TF_CONFIG environment variable, or to be started by "
+                         f"Slurm's srun (one task per worker); {fix}")
     try:
         spec = json.loads(raw)
     except json.JSONDecodeError as err:
@@ -123,7 +137,8 @@ def parse_tf_config(raw):
     task = spec.get("task") if isinstance(spec, dict) else None
     if not isinstance(cluster, dict) or not cluster.get("worker") and not cluster.get("chief"):
         raise UsageError(f'TF_CONFIG has no "cluster" with a "worker" list; {fix}')
-    if any(not isinstance(v, list) or not all(isinstance(a, str) and ":" in a for a in v) for v in cluster.values()):
+    if any(not isinstance(v, list) or not all(isinstance(a, str) and a.rpartition(":")[2].isdigit() for a in v)
+           for v in cluster.values()):
         raise UsageError(f'TF_CONFIG\'s cluster lists must hold "host:port" strings; {fix}')
     if not isinstance(task, dict) or task.get("type") not in cluster:
         raise UsageError(f'TF_CONFIG\'s "task" must have a "type" that names a list in "cluster"; {fix}')
@@ -131,6 +146,33 @@ def parse_tf_config(raw):
     if not isinstance(index, int) or not 0 <= index < len(cluster[task["type"]]):
         raise UsageError(f'TF_CONFIG\'s task index {index!r} is not a position in the {task["type"]!r} list; {fix}')
     return task["type"], index, cluster
+
+
+def in_slurm(environ):
+    """True inside a Slurm job: srun's tasks, but also a batch script that forgot srun."""
+    return "SLURM_JOB_ID" in environ or "SLURM_PROCID" in environ
+
+
+def parse_slurm(environ):
+    """Returns (rank, tasks) from srun's variables, or raises UsageError.
+
+    TensorFlow's SlurmClusterResolver reads the same variables; checking them here reports a mistake before
+    TensorFlow starts. It checks the host and tasks-per-node lists itself, when the strategy is made.
+    """
+    fix = "start one task per worker with srun inside the job (README, \"Slurm\"), or set TF_CONFIG"
+    missing = [name for name in SLURM_STEP_VARS if not environ.get(name)]
+    if missing:
+        raise UsageError(f"{', '.join(missing)} not set: this Slurm job's workers were not started by srun; {fix}")
+    counts = {}
+    for name in ("SLURM_PROCID", "SLURM_STEP_NUM_TASKS"):
+        try:
+            counts[name] = int(environ[name])
+        except ValueError:
+            raise UsageError(f"{name}={environ[name]!r} is not a whole number; {fix}") from None
+    rank, tasks = counts["SLURM_PROCID"], counts["SLURM_STEP_NUM_TASKS"]
+    if tasks < 1 or not 0 <= rank < tasks:
+        raise UsageError(f"SLURM_PROCID={rank} is not a task of the step's SLURM_STEP_NUM_TASKS={tasks}; {fix}")
+    return rank, tasks
 
 
 def _check_output_dir(path):

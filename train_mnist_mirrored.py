@@ -8,6 +8,7 @@ exported and reloaded without and with the strategy's scope, both evaluated. Fig
 
 import json
 import os
+import re
 import shutil
 import sys
 import tempfile
@@ -16,7 +17,7 @@ import time
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # keep TensorFlow's C++ start-up chatter off stderr
 
 import config
-from config import EXIT_BAD_INPUT, EXIT_INTERRUPTED, EXIT_OK, UsageError
+from config import EXIT_BAD_INPUT, EXIT_INTERRUPTED, EXIT_OK, EXIT_PEER_LOST, UsageError
 
 
 # ---------------------------------------------------------------- step 1: the strategy
@@ -27,8 +28,10 @@ def make_strategy(cfg, tf):
         cpu = tf.config.list_physical_devices("CPU")[0]
         tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * cfg.cpu_replicas)
     if cfg.strategy == "multiworker":
-        # TF 2.0's tf.distribute.experimental.MultiWorkerMirroredStrategy; reads TF_CONFIG.
-        return tf.distribute.MultiWorkerMirroredStrategy()
+        resolver = cluster_resolver(cfg, tf)
+        warn_open_port(resolver)
+        # TF 2.0's tf.distribute.experimental.MultiWorkerMirroredStrategy.
+        return tf.distribute.MultiWorkerMirroredStrategy(cluster_resolver=resolver)
     if cfg.strategy == "default":
         return tf.distribute.get_strategy()
     if cfg.device_list:
@@ -40,6 +43,51 @@ def make_strategy(cfg, tf):
             raise UsageError(f"--devices names {', '.join(missing)}, which this machine does not have; "
                              f"choose from {', '.join(sorted(known))}")
     return tf.distribute.MirroredStrategy(devices=cfg.device_list)
+
+
+def cluster_resolver(cfg, tf):
+    """TF_CONFIG when it is set (Kubeflow's TFJob writes it, chief included), else the Slurm job step's variables."""
+    if os.environ.get("TF_CONFIG"):
+        return tf.distribute.cluster_resolver.TFConfigClusterResolver()
+    try:
+        if slurm_node_has_gpus():
+            # TensorFlow's resolver counts the node's GPUs and gives each task its share (CUDA_VISIBLE_DEVICES).
+            return tf.distribute.cluster_resolver.SlurmClusterResolver(port_base=cfg.slurm_port_base)
+        # Told "no GPUs", TensorFlow's resolver lists no tasks at all (it hands out one port per GPU share), so
+        # give it one share per task, keep its cluster and task, and tell the strategy there are no GPUs.
+        tasks = int(os.environ["SLURM_STEP_NUM_TASKS"])
+        slurm = tf.distribute.cluster_resolver.SlurmClusterResolver(
+            port_base=cfg.slurm_port_base, gpus_per_node=tasks, gpus_per_task=1, auto_set_gpu=False)
+        cluster = slurm.cluster_spec()
+        task_type, task_id = slurm.get_task_info()
+        return tf.distribute.cluster_resolver.SimpleClusterResolver(
+            cluster, task_type=task_type, task_id=task_id, rpc_layer=slurm.rpc_layer, num_accelerators={"GPU": 0})
+    except (ValueError, RuntimeError) as err:
+        # TensorFlow's resolver raises these for host or tasks-per-node lists it cannot read, or that disagree.
+        raise UsageError(f"the Slurm variables do not describe this job step ({err}); start one task per worker "
+                         "with srun inside the job (README, \"Slurm\"), or set TF_CONFIG") from None
+
+
+def slurm_node_has_gpus():
+    """Whether TensorFlow's own GPU count can run here: it reads CUDA_VISIBLE_DEVICES (Slurm sets it for GPU
+    jobs), else asks nvidia-smi, which a machine without GPUs lacks (FileNotFoundError)."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        return visible.strip() not in ("", "-1")  # both mean "no GPUs" to CUDA
+    return shutil.which("nvidia-smi") is not None
+
+
+def warn_open_port(resolver):
+    """TensorFlow's gRPC server binds every interface, whatever host the cluster names, and checks no identity."""
+    task_type, task_id = resolver.task_type, resolver.task_id
+    address = resolver.cluster_spec().task_address(task_type, task_id)
+    port = int(address.rsplit(":", 1)[1])
+    if not 1 <= port <= config.MAX_PORT:
+        raise UsageError(f"{task_type} {task_id} would listen on port {port}, which does not exist; "
+                         "choose a lower --slurm-port-base, or fix the ports in TF_CONFIG")
+    print(f"warning: {task_type} {task_id} listens on port {port} on every network interface, unauthenticated "
+          "(TensorFlow's gRPC server); run multi-worker training only on a trusted network or behind a firewall "
+          "(README, \"Open ports\")", file=sys.stderr, flush=True)
 
 
 def device_names(strategy):
@@ -173,9 +221,32 @@ def run(cfg):
     return EXIT_OK
 
 
+# ---------------------------------------------------------------- a lost peer
+
+# Measured with two workers on loopback: a peer's process killed, or stopped so that its heartbeats stop,
+# aborts every collective op here with UnavailableError (within 1-20 s); the peer hosting the coordination
+# service stopped gives DeadlineExceededError on its heartbeat. TensorFlow says which task in the message.
+PEER_TASK = re.compile(r"/job:(\w+)/(?:replica:\d+/)?task:(\d+)")
+ABORTED_BY = "Collective ops is aborted by:"
+
+
+def lost_peer(cfg, err):
+    """What was lost, when `err` is a multi-worker run losing one of its workers; None for any other error."""
+    tf = sys.modules.get("tensorflow")
+    if cfg is None or cfg.strategy != "multiworker" or tf is None:
+        return None
+    if not isinstance(err, (tf.errors.UnavailableError, tf.errors.DeadlineExceededError)):
+        return None
+    task = PEER_TASK.search(err.message)
+    what = f"{task[1]} {task[2]}" if task else "the worker hosting the coordination service (the chief, or worker 0)"
+    reason = err.message.split(ABORTED_BY)[-1].strip().splitlines()[0]
+    return f"lost {what} of this multi-worker run ({reason})"
+
+
 def main(argv=None):
     parser = config.build_parser("train_mnist_mirrored.py", __doc__)
     args = parser.parse_args(argv)
+    cfg = None
     try:
         cfg = config.validate(config.from_args(args))
         refuse_finished_run(cfg)
@@ -186,6 +257,13 @@ def main(argv=None):
     except KeyboardInterrupt:
         print("error: interrupted; run the same command again to resume after the last finished epoch", file=sys.stderr)
         return EXIT_INTERRUPTED
+    except Exception as err:
+        lost = lost_peer(cfg, err)
+        if lost is None:
+            raise
+        print(f"error: {lost}; restart every worker with the same command: the run resumes after the last "
+              "backed-up epoch", file=sys.stderr)
+        return EXIT_PEER_LOST
 
 
 if __name__ == "__main__":

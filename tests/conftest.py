@@ -6,6 +6,7 @@ Nothing here reads ../shared or the network; every byte of data is made below.
 import gzip
 import json
 import os
+import socket
 import struct
 import subprocess
 import sys
@@ -110,6 +111,63 @@ def subprocess_env():
     env.pop("TF_CONFIG", None)
     env.pop("PYTHONPATH", None)
     return env
+
+
+def free_ports(n, consecutive=False):
+    """n ports nothing listens on now; `consecutive` for Slurm, whose workers on one node take base, base+1, ..."""
+    while True:
+        socks = [socket.socket() for _ in range(n)]
+        try:
+            socks[0].bind(("127.0.0.1", 0))
+            first = socks[0].getsockname()[1]
+            for i, s in enumerate(socks[1:], 1):
+                s.bind(("127.0.0.1", first + i if consecutive else 0))
+            return [s.getsockname()[1] for s in socks]
+        except OSError:
+            continue  # the next port up was taken; draw again
+        finally:
+            for s in socks:
+                s.close()
+
+
+class Worker:
+    """One worker's process of the entrypoint. Its output goes to files (pipes nobody reads fill up and stall
+    it), and its TMPDIR is a folder of its own, so a test sees what it leaves there."""
+
+    def __init__(self, args, env, directory, name):
+        self.scratch = directory / name
+        self.scratch.mkdir()
+        self.stdout_path, self.stderr_path = directory / f"{name}.stdout", directory / f"{name}.stderr"
+        with open(self.stdout_path, "w") as out, open(self.stderr_path, "w") as err:
+            self.proc = subprocess.Popen([sys.executable, "train_mnist_mirrored.py", *args], cwd=ROOT,
+                                         env={**subprocess_env(), "TMPDIR": str(self.scratch), **env},
+                                         stdout=out, stderr=err, text=True)
+
+    @property
+    def stdout(self):
+        return self.stdout_path.read_text()
+
+    @property
+    def stderr(self):
+        return self.stderr_path.read_text()
+
+    @property
+    def last_stderr_line(self):
+        return self.stderr.rstrip().splitlines()[-1]
+
+
+def finish(workers, timeout=400):
+    """Waits for every worker (killing all of them if one hangs) and returns their exit statuses."""
+    try:
+        return [w.proc.wait(timeout=timeout) for w in workers]
+    finally:
+        for w in workers:
+            w.proc.kill()
+
+
+def assert_one_port_warning(stderr, port):
+    warnings = [line for line in stderr.splitlines() if "unauthenticated" in line]
+    assert len(warnings) == 1 and f"port {port} " in warnings[0], stderr[-3000:]
 
 
 def smoke_args(data_dir, output_dir):

@@ -80,11 +80,12 @@ def test_empty_output_dir_is_refused(tmp_path, monkeypatch, capsys):
 
 
 @pytest.mark.parametrize("tf_config, words", [
-    (None, ["TF_CONFIG"]),
+    (None, ["TF_CONFIG", "srun"]),
     ("{not json", ["TF_CONFIG", "JSON"]),
     (json.dumps({"cluster": {"worker": ["localhost:12345", "localhost:23456"]},
                  "task": {"type": "worker", "index": 5}}), ["index", "5"]),
-], ids=["unset", "not-json", "bad-index"])
+    (json.dumps({"cluster": {"worker": ["localhost:grpc"]}, "task": {"type": "worker", "index": 0}}), ["host:port"]),
+], ids=["unset", "not-json", "bad-index", "port-not-a-number"])
 def test_multiworker_needs_a_valid_tf_config(tf_config, words, quick_args, tmp_path, monkeypatch, capsys):
     if tf_config is None:
         monkeypatch.delenv("TF_CONFIG", raising=False)

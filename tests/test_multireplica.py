@@ -2,12 +2,11 @@
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import textwrap
 
-from conftest import ROOT, smoke_args, subprocess_env
+from conftest import ROOT, Worker, assert_one_port_warning, finish, free_ports, smoke_args, subprocess_env
 
 # Runs in its own process: logical devices can only be set before TensorFlow's runtime starts.
 ONE_STEP_SCRIPT = textwrap.dedent("""
@@ -70,35 +69,17 @@ def test_two_replicas_average_gradients_like_one(tmp_path):
     assert _max_abs_diff(w["adam_one"], w["adam_two"]) < 1e-5
 
 
-def _free_ports(n):
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
-
-
 def test_two_workers_on_loopback(tmp_path, data_dir):
-    cluster = {"worker": [f"127.0.0.1:{port}" for port in _free_ports(2)]}
+    cluster = {"worker": [f"127.0.0.1:{port}" for port in free_ports(2)]}
     output_dir = str(tmp_path / "out")
-    procs = []
-    for index in range(2):
-        scratch = tmp_path / f"tmp{index}"
-        scratch.mkdir()
-        env = {**subprocess_env(), "TMPDIR": str(scratch),
-               "TF_CONFIG": json.dumps({"cluster": cluster, "task": {"type": "worker", "index": index}})}
-        procs.append(subprocess.Popen(
-            [sys.executable, "train_mnist_mirrored.py", "--strategy", "multiworker", *smoke_args(data_dir, output_dir)],
-            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-    try:
-        outputs = [p.communicate(timeout=400) for p in procs]
-    finally:
-        for p in procs:
-            p.kill()
-    for p, (_, err) in zip(procs, outputs):
-        assert p.returncode == 0, err[-3000:]
+    workers = [Worker(["--strategy", "multiworker", *smoke_args(data_dir, output_dir)],
+                      {"TF_CONFIG": json.dumps({"cluster": cluster, "task": {"type": "worker", "index": index}})},
+                      tmp_path, f"tmp{index}")
+               for index in range(2)]
+    for w, status, address in zip(workers, finish(workers), cluster["worker"]):
+        assert status == 0, w.stderr[-3000:]
+        # Each says, once, that its port is open to anyone (README, "Open ports").
+        assert_one_port_warning(w.stderr, port=address.rsplit(":", 1)[1])
 
     results = json.loads(open(os.path.join(output_dir, "results.json")).read())
     assert results["replicas"] == 2 and results["strategy"] == "multiworker"
