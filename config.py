@@ -57,7 +57,6 @@ class Config:
     # Speed: each default is the fastest measured value (README, "Speed").
     steps_per_execution: int = _option(50, "train steps run inside one tf.function call")
     fused_adam: bool = _option(True, "Adam through TensorFlow's fused kernel (keras.optimizers.legacy.Adam): same update, fewer ops")
-    prefetch: bool = _option(False, "add a tf.data prefetch after batching (the distributed iterator already prefetches)")
     jit_compile: bool = _option(False, "compile the train step with XLA")
 
     # The tutorial's schedule: 1e-3 for epochs 0-2, 1e-4 for 3-6, 1e-5 after.
