@@ -26,6 +26,10 @@ class UsageError(Exception):
     """A mistake the user can fix; the entrypoints print it as one line and exit non-zero."""
 
 
+class Preempted(Exception):
+    """SIGTERM ended the run after its state was saved; the same command resumes it (callbacks.Preemption)."""
+
+
 STRATEGIES = ("mirrored", "multiworker", "default")
 
 
@@ -53,6 +57,9 @@ class Config:
     seed: int = _option(42, "seed for Python, NumPy, TensorFlow and the shuffle")
     deterministic: bool = _option(False, "enable TensorFlow op determinism (bit-identical reruns, slower)")
     overwrite: bool = _option(False, "start afresh, replacing a finished or unfinished run already in --output-dir")
+    backup_every_steps: typing.Optional[int] = _option(
+        None, "also back up every N training steps, so a killed run resumes at a step rather than an epoch; "
+              "N must be a multiple of --steps-per-execution (unset: at each epoch's end only)")
 
     # Speed: each default is the fastest measured value (README, "Speed").
     steps_per_execution: int = _option(50, "train steps run inside one tf.function call")
@@ -90,8 +97,14 @@ def _positive(name, value):
 
 def validate(cfg):
     """Checks what can be checked before TensorFlow starts; raises UsageError."""
-    for name in ("epochs", "batch_size_per_replica", "buffer_size", "steps_per_epoch", "steps_per_execution"):
+    for name in ("epochs", "batch_size_per_replica", "buffer_size", "steps_per_epoch", "steps_per_execution",
+                 "backup_every_steps"):
         _positive(name, getattr(cfg, name))
+    if cfg.backup_every_steps and cfg.backup_every_steps % cfg.steps_per_execution:
+        # Keras runs steps_per_execution steps in one call; a backup can only fall between two calls.
+        multiple = cfg.steps_per_execution * max(1, round(cfg.backup_every_steps / cfg.steps_per_execution))
+        raise UsageError(f"--backup-every-steps {cfg.backup_every_steps} is not a multiple of --steps-per-execution "
+                         f"{cfg.steps_per_execution}; use a multiple, e.g. --backup-every-steps {multiple}")
     if cfg.cpu_replicas < 0:
         raise UsageError(f"--cpu-replicas must be 0 (off) or a positive count, got {cfg.cpu_replicas}")
     cores = os.cpu_count() or 1

@@ -208,6 +208,14 @@ def images_per_epoch(steps, global_batch, num_examples):
     return min(steps * global_batch, num_examples)
 
 
+def images_in_steps(first, last, steps, global_batch, num_examples):
+    """Images trained in global steps first..last-1: full batches, but for each epoch's last step, which holds
+    only what is left of the split."""
+    shortfall = steps * global_batch - images_per_epoch(steps, global_batch, num_examples)
+    epoch_ends = last // steps - first // steps
+    return (last - first) * global_batch - epoch_ends * shortfall
+
+
 def _untuned(dataset):
     """Turns tf.data's autotuner off: destroying an iterator waits for its tuning thread, which made `fit`
     return 3-50 s after its last epoch (measured with `py-spy dump --native`: ~IteratorResource waiting in
@@ -229,14 +237,15 @@ def _batches(images, labels, indices):
     return indices.map(lambda batch: scale(tf.gather(images, batch), tf.gather(labels, batch)))
 
 
-def train_dataset(images, labels, *, buffer_size, global_batch, seed, first_epoch, epochs, steps):
-    """All epochs from `first_epoch` on as one stream, `steps` batches each, from the resident training split.
+def train_dataset(images, labels, *, buffer_size, global_batch, seed, first_epoch, first_step, epochs, steps):
+    """All batches from step `first_step` of epoch `first_epoch` on, as one stream of `steps` batches an epoch,
+    from the resident training split.
 
     The tutorial's `map(scale).cache().shuffle(buffer).batch(batch)` shuffles examples through a buffer of
     `buffer_size`; here the same seeded shuffle runs over example indices, which gives the same order (tf.data's
     shuffle draws positions in its buffer, whatever the elements are), and each batch is gathered from memory.
-    Each epoch's shuffle is seeded by its number, so a run resumed at epoch k sees exactly the batches an
-    uninterrupted run sees from epoch k on.
+    Each epoch's shuffle is seeded by its number, so a run resumed at step s of epoch k sees exactly the batches
+    an uninterrupted run sees from there on.
     """
     num_examples = int(images.shape[0])
 
@@ -246,7 +255,7 @@ def train_dataset(images, labels, *, buffer_size, global_batch, seed, first_epoc
         return order.batch(global_batch).take(steps)
 
     # Repeated so that the stream never ends under `fit`, which stops after epochs x steps by itself.
-    indices = tf.data.Dataset.range(first_epoch, epochs).flat_map(one_epoch).repeat()
+    indices = tf.data.Dataset.range(first_epoch, epochs).flat_map(one_epoch).skip(first_step).repeat()
     return for_distribution(_batches(images, labels, indices))
 
 

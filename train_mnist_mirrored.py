@@ -16,7 +16,7 @@ import time
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # keep TensorFlow's C++ start-up chatter off stderr
 
 import config
-from config import EXIT_BAD_INPUT, EXIT_INTERRUPTED, EXIT_OK, UsageError
+from config import EXIT_BAD_INPUT, EXIT_INTERRUPTED, EXIT_OK, EXIT_PREEMPTED, Preempted, UsageError
 
 
 # ---------------------------------------------------------------- step 1: the strategy
@@ -91,6 +91,10 @@ def run(cfg):
     import export
     from model import build_model, compile_model, keras
 
+    # From here on SIGTERM saves and stops training at the next step boundary, or ends the run at once when
+    # it is not training (exit 143 either way).
+    preemption = callbacks.Preemption()
+    preemption.install()
     keras.utils.set_random_seed(cfg.seed)
     if cfg.deterministic:
         tf.config.experimental.enable_op_determinism()
@@ -114,10 +118,10 @@ def run(cfg):
     global_batch = cfg.batch_size_per_replica * strategy.num_replicas_in_sync
     num_train = info.splits["train"].num_examples
     steps = data.steps_per_epoch(num_train, global_batch, cfg.steps_per_epoch)
-    first_epoch = callbacks.backed_up_epoch(backup_dir)
+    first_epoch, first_step = callbacks.backed_up_position(backup_dir, steps)
     train = data.train_dataset(
         *arrays["train"], buffer_size=cfg.buffer_size, global_batch=global_batch, seed=cfg.seed,
-        first_epoch=first_epoch, epochs=cfg.epochs, steps=steps)
+        first_epoch=first_epoch, first_step=first_step, epochs=cfg.epochs, steps=steps)
     test = data.eval_dataset(*arrays["test"], global_batch=global_batch)
 
     # Step 3: the model, inside the strategy's scope.
@@ -125,17 +129,19 @@ def run(cfg):
         model = compile_model(build_model(), steps_per_execution=cfg.steps_per_execution,
                               jit_compile=cfg.jit_compile, fused_adam=cfg.fused_adam)
 
-    # Step 4: training. A resumed run starts at the epoch after the last one backed up.
-    if first_epoch:
-        print(f"Resuming from the backup in {backup_dir} at epoch {first_epoch + 1}")
+    # Step 4: training. A resumed run starts at the step after the last one backed up.
+    first_global_step, last_global_step = first_epoch * steps + first_step, cfg.epochs * steps
+    if first_global_step:
+        print(f"Resuming from the backup in {backup_dir} at epoch {first_epoch + 1}, step {first_step}")
     train_seconds, train_images = 0.0, 0
-    if first_epoch < cfg.epochs:
-        cbs = callbacks.make_callbacks(cfg, log_dir=os.path.join(work_dir, cfg.log_dir),
-                                       checkpoint_dir=checkpoint_dir, backup_dir=backup_dir)
+    if first_global_step < last_global_step:
+        cbs = callbacks.make_callbacks(cfg, log_dir=os.path.join(work_dir, cfg.log_dir), checkpoint_dir=checkpoint_dir,
+                                       backup_dir=backup_dir, steps_per_epoch=steps, preemption=preemption)
         start = time.perf_counter()
-        model.fit(train, epochs=cfg.epochs, steps_per_epoch=steps, callbacks=cbs)
+        # Keras's BackupAndRestore restores the same position from the same backup; initial_epoch only says so.
+        model.fit(train, epochs=cfg.epochs, initial_epoch=first_epoch, steps_per_epoch=steps, callbacks=cbs)
         train_seconds = time.perf_counter() - start
-        train_images = (cfg.epochs - first_epoch) * data.images_per_epoch(steps, global_batch, num_train)
+        train_images = data.images_in_steps(first_global_step, last_global_step, steps, global_batch, num_train)
 
     # Step 5: the latest checkpoint, restored and evaluated. A non-chief that just trained skips the restore:
     # synchronous training left it the chief's weights, and the chief may still be writing that checkpoint.
@@ -158,6 +164,7 @@ def run(cfg):
         "global_batch_size": global_batch,
         "steps_per_epoch": steps,
         "resumed_from_epoch": first_epoch,
+        "resumed_from_step": first_global_step,
         "train_images": train_images,
         "train_seconds": round(train_seconds, 3),
         "train_images_per_s": round(train_images / train_seconds, 1) if train_seconds else None,
@@ -186,8 +193,11 @@ def main(argv=None):
     except UsageError as err:
         print(f"error: {err}", file=sys.stderr)
         return EXIT_BAD_INPUT
+    except Preempted as err:
+        print(f"error: {err}", file=sys.stderr)
+        return EXIT_PREEMPTED
     except KeyboardInterrupt:
-        print("error: interrupted; run the same command again to resume after the last finished epoch", file=sys.stderr)
+        print("error: interrupted; run the same command again to resume after the last backup", file=sys.stderr)
         return EXIT_INTERRUPTED
 
 

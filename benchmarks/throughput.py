@@ -125,7 +125,7 @@ def project_round(datasets, info, cfg, strategy, epochs, work_dir, variant):
     else:
         arrays, read, _ = _timed(lambda: data.resident_split(info, "train"))
         train = data.train_dataset(*arrays, buffer_size=cfg.buffer_size, global_batch=global_batch, seed=cfg.seed,
-                                   first_epoch=0, epochs=epochs, steps=steps)
+                                   first_epoch=0, first_step=0, epochs=epochs, steps=steps)
     if variant.get("input") == "autotune":
         options = tf.data.Options()
         options.autotune.enabled = True
@@ -133,8 +133,8 @@ def project_round(datasets, info, cfg, strategy, epochs, work_dir, variant):
     with strategy.scope():
         model = compile_model(build_model(), steps_per_execution=cfg.steps_per_execution,
                               jit_compile=cfg.jit_compile, fused_adam=cfg.fused_adam)
-    cbs = callbacks.make_callbacks(cfg, log_dir=os.path.join(work_dir, "logs"),
-                                   checkpoint_dir=os.path.join(work_dir, "ckpt"), backup_dir=os.path.join(work_dir, "backup"))
+    cbs = callbacks.make_callbacks(cfg, log_dir=os.path.join(work_dir, "logs"), checkpoint_dir=os.path.join(work_dir, "ckpt"),
+                                   backup_dir=os.path.join(work_dir, "backup"), steps_per_epoch=steps)
     _, wall, cpu = _timed(lambda: model.fit(train, epochs=epochs, steps_per_epoch=steps, callbacks=cbs, verbose=0))
     return epochs * data.images_per_epoch(steps, global_batch, num_train), wall, cpu, read
 
