@@ -41,7 +41,7 @@ class Config:
     buffer_size: int = _option(10000, "shuffle buffer size, in examples")
     data_dir: typing.Optional[str] = _option(None, "tfds data dir; unset means tfds's own, ~/tensorflow_datasets")
     idx_dir: typing.Optional[str] = _option(None, "offline: if --data-dir holds no prepared mnist, prepare it first from the four MNIST IDX files here")
-    output_dir: str = _option(".", "where training_checkpoints/, logs/, saved_model/ and results.json are written")
+    output_dir: str = _option(".", "where training_checkpoints/, logs/, saved_model/, model.keras and results.json are written")
     steps_per_epoch: typing.Optional[int] = _option(None, "train at most this many steps each epoch (for quick smoke runs)")
 
     # Distribution.
@@ -69,6 +69,7 @@ class Config:
     checkpoint_name: str = "ckpt_{epoch}"
     log_dir: str = "logs"
     saved_model_dir: str = "saved_model"
+    keras_model_file: str = "model.keras"  # Keras 3's own format, beside the SavedModel
     backup_dir: str = "backup"
     results_file: str = "results.json"
 

@@ -141,9 +141,10 @@ def run(cfg):
         model.load_weights(tf.train.latest_checkpoint(checkpoint_dir)).assert_existing_objects_matched().expect_partial()
     _, accuracy_checkpoint = model.evaluate(test)
 
-    # Step 6: export, reload without and with the strategy's scope, evaluate both.
+    # Step 6: export, reload without and with the strategy's scope, evaluate both; and the Keras 3 file.
     saved_model = os.path.join(work_dir, cfg.saved_model_dir)
     export.export(model, saved_model)
+    export.export_keras(model, os.path.join(work_dir, cfg.keras_model_file))
     _, accuracy_unreplicated = export.reload(saved_model).evaluate(test)
     _, accuracy_replicated = export.reload(saved_model, strategy).evaluate(test)
 

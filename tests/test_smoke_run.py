@@ -165,6 +165,36 @@ def test_saved_model_serves_same_predictions_without_project_code(smoke_ok, test
     np.testing.assert_allclose(served, checkpoint_predictions, atol=1e-5, rtol=0)
 
 
+KERAS3_SCRIPT = textwrap.dedent("""
+    import os, sys
+    import numpy as np
+    root, path, images_path, out_path = sys.argv[1:5]
+    assert not any(os.path.exists(p) and os.path.samefile(p, root) for p in sys.path if p), sys.path
+    import keras
+    assert keras.__version__.startswith("3."), keras.__version__
+    net = keras.saving.load_model(path)
+    np.save(out_path, net.predict(np.load(images_path), verbose=0))
+    for name in ("tf_keras", "model", "export", "callbacks", "data"):
+        assert name not in sys.modules, name
+""")
+
+
+def test_model_keras_loads_in_keras_3_and_predicts_like_the_checkpoint(smoke_ok, test_images, checkpoint_predictions,
+                                                                       tmp_path):
+    # Written beside saved_model/, under a temporary name that does not stay behind.
+    assert sorted(os.listdir(smoke_ok.output_dir)) == [
+        "logs", "model.keras", "results.json", "saved_model", "training_checkpoints"]
+    images_path, out_path = tmp_path / "images.npy", tmp_path / "logits.npy"
+    np.save(images_path, test_images[0])
+    proc = subprocess.run([sys.executable, "-c", KERAS3_SCRIPT, ROOT, smoke_ok.path("model.keras"),
+                           str(images_path), str(out_path)],
+                          cwd=tmp_path, env=subprocess_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    predicted = np.load(out_path)
+    assert predicted.shape == checkpoint_predictions.shape == (len(test_images[0]), 10)
+    np.testing.assert_allclose(predicted, checkpoint_predictions, atol=1e-5, rtol=0)
+
+
 def test_saved_model_cli_shows_serving_default(smoke_ok, tmp_path):
     proc = subprocess.run([sys.executable, "-m", "tensorflow.python.tools.saved_model_cli", "show",
                            "--dir", smoke_ok.path("saved_model"), "--all"],
