@@ -60,6 +60,9 @@ class Config:
     prefetch: bool = _option(False, "add a tf.data prefetch after batching (the distributed iterator already prefetches)")
     jit_compile: bool = _option(False, "compile the train step with XLA")
 
+    # What a run shows.
+    verbose: bool = _option(False, "show TensorFlow's C++ start-up notices (oneDNN, CUDA probing), which are held back otherwise")
+
     # The tutorial's schedule: 1e-3 for epochs 0-2, 1e-4 for 3-6, 1e-5 after.
     lr_boundaries: tuple = (3, 7)
     lr_values: tuple = (1e-3, 1e-4, 1e-5)

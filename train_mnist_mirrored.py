@@ -6,6 +6,7 @@ schedule and a printed learning rate, (5) the latest checkpoint restored and eva
 exported and reloaded without and with the strategy's scope, both evaluated. Figures go to results.json.
 """
 
+import contextlib
 import json
 import os
 import shutil
@@ -13,10 +14,65 @@ import sys
 import tempfile
 import time
 
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # keep TensorFlow's C++ start-up chatter off stderr
+# TensorFlow's C++ INFO and WARNING lines once it runs (input-pipeline notices); errors still show. This does
+# not reach the notices TensorFlow prints while it starts: see start_tensorflow.
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import config
 from config import EXIT_BAD_INPUT, EXIT_INTERRUPTED, EXIT_OK, UsageError
+
+
+# ---------------------------------------------------------------- TensorFlow's start-up
+
+# Lines TensorFlow 2.21 prints from C++ while it loads and probes for GPUs, before its logging is set up, so
+# TF_CPP_MIN_LOG_LEVEL does not reach them: notices nobody can act on. --verbose shows them.
+STARTUP_NOTICES = (
+    "WARNING: All log messages before absl::InitializeLog() is called are written to STDERR",
+    "] oneDNN custom operations are on.",
+    "] Could not find cuda drivers on your machine, GPU will not be used.",
+)
+NO_CUDA_DRIVER = STARTUP_NOTICES[2]
+# Without any CUDA driver (the notice above) this failure follows as a matter of course; with a driver it is
+# a real error, and shown.
+CUINIT_FAILED = "] failed call to cuInit:"
+
+
+def without_startup_notices(lines):
+    no_driver = any(NO_CUDA_DRIVER in line for line in lines)
+    return [line for line in lines
+            if not any(notice in line for notice in STARTUP_NOTICES) and not (no_driver and CUINIT_FAILED in line)]
+
+
+@contextlib.contextmanager
+def startup_output_held(verbose):
+    """Holds back what reaches file descriptor 2 (C++ and Python alike) while the block runs, then shows it
+    without TensorFlow's start-up notices: all of it with `verbose`, or when the block fails."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    held = tempfile.TemporaryFile()
+    failed = True
+    try:
+        os.dup2(held.fileno(), 2)
+        yield
+        failed = False
+    finally:
+        sys.stderr.flush()
+        os.dup2(saved, 2)
+        os.close(saved)
+        held.seek(0)
+        lines = held.read().decode(errors="replace").splitlines(keepends=True)
+        held.close()
+        sys.stderr.write("".join(lines if verbose or failed else without_startup_notices(lines)))
+        sys.stderr.flush()
+
+
+def start_tensorflow(verbose):
+    """Imports TensorFlow and lets it probe for GPUs, which is where CUDA reports, its notices held back."""
+    with startup_output_held(verbose):
+        import tensorflow as tf
+
+        tf.config.list_physical_devices()
+    return tf
 
 
 # ---------------------------------------------------------------- step 1: the strategy
@@ -79,8 +135,7 @@ def write_json(path, payload):
 # ---------------------------------------------------------------- the run
 
 def run(cfg):
-    import tensorflow as tf
-
+    tf = start_tensorflow(cfg.verbose)
     strategy = make_strategy(cfg, tf)
     print(f"Number of devices: {strategy.num_replicas_in_sync}")
 

@@ -24,6 +24,13 @@ def test_smoke_run_exits_zero(smoke_run):
     assert "Traceback" not in smoke_run.stderr
 
 
+def test_smoke_run_shows_no_tensorflow_start_up_notices(smoke_run):
+    """TensorFlow 2.21 prints these from C++ at every start on a CPU machine, whatever TF_CPP_MIN_LOG_LEVEL says."""
+    for notice in ("All log messages before absl::InitializeLog()", "oneDNN custom operations are on",
+                   "Could not find cuda drivers", "failed call to cuInit"):
+        assert notice not in smoke_run.stderr, smoke_run.stderr[-4000:]
+
+
 def test_smoke_run_prints_device_count_matching_results(smoke_ok):
     match = re.search(r"^Number of devices: (\d+)$", smoke_ok.stdout, re.M)
     assert match, smoke_ok.stdout[-2000:]
