@@ -61,6 +61,8 @@ class Config:
     jit_compile: bool = _option(False, "compile the train step with XLA")
 
     # What a run shows.
+    validation: bool = _option(False, "also evaluate on the test split at each epoch's end: val_ figures in the progress "
+                                      "bar and a validation run beside train in TensorBoard")
     verbose: bool = _option(False, "show TensorFlow's C++ start-up notices (oneDNN, CUDA probing), which are held back otherwise")
 
     # The tutorial's schedule: 1e-3 for epochs 0-2, 1e-4 for 3-6, 1e-5 after.

@@ -3,7 +3,8 @@
 Steps, in the tutorial's order: (1) the distribution strategy, (2) MNIST through tfds, (3) the model
 compiled inside `strategy.scope()`, (4) `fit` with TensorBoard, per-epoch checkpoints, the learning-rate
 schedule and a printed learning rate, (5) the latest checkpoint restored and evaluated, (6) a SavedModel
-exported and reloaded without and with the strategy's scope, both evaluated. Figures go to results.json.
+exported and reloaded without and with the strategy's scope, both evaluated, and a model.keras for Keras 3.
+Figures go to results.json; a short summary for people follows them.
 """
 
 import contextlib
@@ -132,6 +133,42 @@ def write_json(path, payload):
     os.replace(partial, path)
 
 
+# ---------------------------------------------------------------- the summary for people
+
+def short_device(name):
+    return name.rsplit("/device:", 1)[-1]
+
+
+def trained_line(results):
+    first, epochs = results["resumed_from_epoch"], results["epochs"]
+    if first >= epochs:
+        return f"all {epochs} epochs were in the backup; nothing left to train"
+    done = f"epochs {first + 1}-{epochs}" if first + 1 < epochs else f"epoch {epochs}"
+    resumed = f"resumed after epoch {first}: " if first else ""
+    return f"{resumed}{done} of {epochs} at {results['train_images_per_s']:,.0f} images/s"
+
+
+def summary(cfg, results, *, num_train, num_test, is_chief):
+    """A few lines for people, after the JSON for programs, in the order of the tutorial's steps."""
+    replicas = results["replicas"]
+    validation = ", validated each epoch" if cfg.validation else ""
+    lines = [
+        "Summary, in the tutorial's steps:",
+        f"  1. strategy  {results['strategy']}: {replicas} replica{'s' * (replicas != 1)} in sync "
+        f"on {', '.join(map(short_device, results['devices']))}",
+        f"  2. data      MNIST: {num_train:,} training and {num_test:,} test images, global batch "
+        f"{results['global_batch_size']}, {results['steps_per_epoch']} steps an epoch",
+        f"  4. training  {trained_line(results)}{validation}; tensorboard --logdir {cfg.path(cfg.log_dir)}",
+        f"  5. restore   latest checkpoint in {cfg.path(cfg.checkpoint_dir)}: "
+        f"test accuracy {results['eval_accuracy_checkpoint']:.4f}",
+        f"  6. export    {cfg.path(cfg.saved_model_dir)} reloaded: test accuracy "
+        f"{results['eval_accuracy_unreplicated']:.4f}, {results['eval_accuracy_replicated']:.4f} in the strategy's "
+        f"scope; Keras 3 file {cfg.path(cfg.keras_model_file)}",
+        f"  figures      {cfg.path(cfg.results_file)}" + ("" if is_chief else " (written by the chief)"),
+    ]
+    return "\n".join(lines)
+
+
 # ---------------------------------------------------------------- the run
 
 def run(cfg):
@@ -185,7 +222,10 @@ def run(cfg):
         cbs = callbacks.make_callbacks(cfg, log_dir=os.path.join(work_dir, cfg.log_dir),
                                        checkpoint_dir=checkpoint_dir, backup_dir=backup_dir)
         start = time.perf_counter()
-        model.fit(train, epochs=cfg.epochs, steps_per_epoch=steps, callbacks=cbs)
+        # With --validation, Keras evaluates the test split at each epoch's end; TensorBoard's callback writes
+        # those figures to a `validation` run beside `train`.
+        model.fit(train, epochs=cfg.epochs, steps_per_epoch=steps, callbacks=cbs,
+                  validation_data=test if cfg.validation else None)
         train_seconds = time.perf_counter() - start
         train_images = (cfg.epochs - first_epoch) * data.images_per_epoch(steps, global_batch, num_train)
 
@@ -226,6 +266,8 @@ def run(cfg):
     else:
         shutil.rmtree(work_dir, ignore_errors=True)
     print(json.dumps(results, indent=2))
+    print()
+    print(summary(cfg, results, num_train=num_train, num_test=info.splits["test"].num_examples, is_chief=is_chief))
     return EXIT_OK
 
 

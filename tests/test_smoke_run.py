@@ -14,7 +14,8 @@ import tensorflow as tf
 
 import export
 import model
-from conftest import ROOT, SMOKE_BATCH, SMOKE_CPU_REPLICAS, SMOKE_EPOCHS, SMOKE_STEPS, NUM_TEST, subprocess_env
+from conftest import (ROOT, SMOKE_BATCH, SMOKE_CPU_REPLICAS, SMOKE_EPOCHS, SMOKE_STEPS, NUM_TEST, NUM_TRAIN,
+                      subprocess_env)
 
 
 # ---------------------------------------------------------------- 5. the run itself
@@ -76,7 +77,7 @@ def _scalars(log_dir):
 
 
 def test_smoke_run_writes_tensorboard_scalars(smoke_ok):
-    files, scalars = _scalars(smoke_ok.path("logs"))
+    files, scalars = _scalars(smoke_ok.path("logs", "train"))
     assert files, "no TensorBoard event files under logs/"
     for tag in ("epoch_loss", "epoch_accuracy", "epoch_lr"):
         assert tag in scalars, sorted(scalars)
@@ -110,8 +111,63 @@ def test_smoke_run_results_json(smoke_ok):
     assert results["eval_accuracy_replicated"] == acc
     # The data is learnable (one bright block per class); even 3 steps beat chance (0.1) by far.
     assert 0.5 < acc <= 1.0
-    # results.json is also what the run printed last.
-    assert json.loads(smoke_ok.stdout[smoke_ok.stdout.rindex("\n{"):]) == results
+    # results.json is also what the run printed, last before the summary for people.
+    printed, end = json.JSONDecoder().raw_decode(smoke_ok.stdout, smoke_ok.stdout.rindex("\n{") + 1)
+    assert printed == results
+    assert smoke_ok.stdout[end:].lstrip().startswith("Summary")
+
+
+def test_smoke_run_ends_with_a_summary_in_the_tutorials_step_order(smoke_ok):
+    results = smoke_ok.results
+    summary = smoke_ok.stdout[smoke_ok.stdout.rindex("Summary"):]
+    lines = summary.strip().splitlines()
+    assert len(lines) <= 8, summary
+    assert re.findall(r"^  (\d)\. ", summary, re.M) == ["1", "2", "4", "5", "6"]
+    replicas = results["replicas"]
+    assert f"{replicas} replica{'s' if replicas > 1 else ''} in sync" in lines[1]
+    if SMOKE_CPU_REPLICAS:
+        assert "CPU:0, CPU:1" in lines[1]
+    assert f"{NUM_TRAIN:,} training and {NUM_TEST:,} test images" in lines[2]
+    assert f"of {SMOKE_EPOCHS} at {results['train_images_per_s']:,.0f} images/s, validated each epoch" in lines[3]
+    accuracies = re.findall(r"test accuracy (\d\.\d{4})|(\d\.\d{4}) in the strategy's scope", summary)
+    assert [float(a or b) for a, b in accuracies] == pytest.approx(
+        [results["eval_accuracy_checkpoint"], results["eval_accuracy_unreplicated"], results["eval_accuracy_replicated"]],
+        abs=5e-5)
+    # Every output is named where it went, and is there.
+    for name in ("logs", "training_checkpoints", "saved_model", "model.keras", "results.json"):
+        assert smoke_ok.path(name) in summary, name
+        assert os.path.exists(smoke_ok.path(name)), name
+
+
+# ---------------------------------------------------------------- --validation: a validation run in TensorBoard
+
+def _tensorboard_scalars(run_dir, tags):
+    """{tag: [(step, value)]} from one TensorBoard run, read by TensorBoard's own reader."""
+    from tensorboard.backend.event_processing import event_accumulator
+
+    reader = event_accumulator.EventAccumulator(run_dir)
+    reader.Reload()
+    assert set(tags) <= set(reader.Tags()["tensors"]), reader.Tags()
+    return {tag: [(e.step, float(tf.make_ndarray(e.tensor_proto))) for e in reader.Tensors(tag)] for tag in tags}
+
+
+def test_validation_writes_a_validation_run_beside_train(smoke_ok, mnist_arrays):
+    assert sorted(os.listdir(smoke_ok.path("logs"))) == ["train", "validation"]
+    validation = _tensorboard_scalars(smoke_ok.path("logs", "validation"), ("epoch_loss", "epoch_accuracy"))
+    for tag, points in validation.items():
+        assert [step for step, _ in points] == list(range(SMOKE_EPOCHS)), (tag, points)
+    # The last epoch's validation figures are the test split's, for the weights the last checkpoint holds.
+    net = model.build_model()
+    net.load_weights(tf.train.latest_checkpoint(smoke_ok.path("training_checkpoints"))).expect_partial()
+    images, labels = mnist_arrays["test"]
+    logits = net.predict(images[..., None].astype(np.float32) / 255.0, verbose=0)
+    loss = float(model.keras.losses.SparseCategoricalCrossentropy(from_logits=True)(labels, logits))
+    accuracy = float(np.mean(np.argmax(logits, axis=1) == labels))
+    assert validation["epoch_loss"][-1][1] == pytest.approx(loss, abs=1e-5)
+    assert validation["epoch_accuracy"][-1][1] == pytest.approx(accuracy, abs=1e-6)
+    assert accuracy == pytest.approx(smoke_ok.results["eval_accuracy_checkpoint"], abs=1e-6)
+    # The progress bar shows them too.
+    assert re.search(r" - val_loss: \d+\.\d+ - val_accuracy: \d\.\d+", smoke_ok.stdout), smoke_ok.stdout[-2000:]
 
 
 # ---------------------------------------------------------------- 2. global batch
