@@ -45,7 +45,7 @@ class Config:
     buffer_size: int = _option(10000, "shuffle buffer size, in examples")
     data_dir: typing.Optional[str] = _option(None, "tfds data dir; unset means tfds's own, ~/tensorflow_datasets")
     idx_dir: typing.Optional[str] = _option(None, "offline: if --data-dir holds no prepared mnist, prepare it first from the four MNIST IDX files here")
-    output_dir: str = _option(".", "where training_checkpoints/, logs/, saved_model/ and results.json are written")
+    output_dir: str = _option(".", "where training_checkpoints/, logs/, saved_model/, model.keras and results.json are written")
     steps_per_epoch: typing.Optional[int] = _option(None, "train at most this many steps each epoch (for quick smoke runs)")
 
     # Distribution.
@@ -66,6 +66,11 @@ class Config:
     fused_adam: bool = _option(True, "Adam through TensorFlow's fused kernel (keras.optimizers.legacy.Adam): same update, fewer ops")
     jit_compile: bool = _option(False, "compile the train step with XLA")
 
+    # What a run shows.
+    validation: bool = _option(False, "also evaluate on the test split at each epoch's end: val_ figures in the progress "
+                                      "bar and a validation run beside train in TensorBoard")
+    verbose: bool = _option(False, "show TensorFlow's C++ start-up notices (oneDNN, CUDA probing), which are held back otherwise")
+
     # The tutorial's schedule: 1e-3 for epochs 0-2, 1e-4 for 3-6, 1e-5 after.
     lr_boundaries: tuple = (3, 7)
     lr_values: tuple = (1e-3, 1e-4, 1e-5)
@@ -75,6 +80,7 @@ class Config:
     checkpoint_name: str = "ckpt_{epoch}"
     log_dir: str = "logs"
     saved_model_dir: str = "saved_model"
+    keras_model_file: str = "model.keras"  # Keras 3's own format, beside the SavedModel
     backup_dir: str = "backup"
     results_file: str = "results.json"
 

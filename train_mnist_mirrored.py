@@ -3,9 +3,11 @@
 Steps, in the tutorial's order: (1) the distribution strategy, (2) MNIST through tfds, (3) the model
 compiled inside `strategy.scope()`, (4) `fit` with TensorBoard, per-epoch checkpoints, the learning-rate
 schedule and a printed learning rate, (5) the latest checkpoint restored and evaluated, (6) a SavedModel
-exported and reloaded without and with the strategy's scope, both evaluated. Figures go to results.json.
+exported and reloaded without and with the strategy's scope, both evaluated, and a model.keras for Keras 3.
+Figures go to results.json; a short summary for people follows them.
 """
 
+import contextlib
 import json
 import os
 import shutil
@@ -13,10 +15,65 @@ import sys
 import tempfile
 import time
 
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # keep TensorFlow's C++ start-up chatter off stderr
+# TensorFlow's C++ INFO and WARNING lines once it runs (input-pipeline notices); errors still show. This does
+# not reach the notices TensorFlow prints while it starts: see start_tensorflow.
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import config
 from config import EXIT_BAD_INPUT, EXIT_INTERRUPTED, EXIT_OK, EXIT_PREEMPTED, Preempted, UsageError
+
+
+# ---------------------------------------------------------------- TensorFlow's start-up
+
+# Lines TensorFlow 2.21 prints from C++ while it loads and probes for GPUs, before its logging is set up, so
+# TF_CPP_MIN_LOG_LEVEL does not reach them: notices nobody can act on. --verbose shows them.
+STARTUP_NOTICES = (
+    "WARNING: All log messages before absl::InitializeLog() is called are written to STDERR",
+    "] oneDNN custom operations are on.",
+    "] Could not find cuda drivers on your machine, GPU will not be used.",
+)
+NO_CUDA_DRIVER = STARTUP_NOTICES[2]
+# Without any CUDA driver (the notice above) this failure follows as a matter of course; with a driver it is
+# a real error, and shown.
+CUINIT_FAILED = "] failed call to cuInit:"
+
+
+def without_startup_notices(lines):
+    no_driver = any(NO_CUDA_DRIVER in line for line in lines)
+    return [line for line in lines
+            if not any(notice in line for notice in STARTUP_NOTICES) and not (no_driver and CUINIT_FAILED in line)]
+
+
+@contextlib.contextmanager
+def startup_output_held(verbose):
+    """Holds back what reaches file descriptor 2 (C++ and Python alike) while the block runs, then shows it
+    without TensorFlow's start-up notices: all of it with `verbose`, or when the block fails."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    held = tempfile.TemporaryFile()
+    failed = True
+    try:
+        os.dup2(held.fileno(), 2)
+        yield
+        failed = False
+    finally:
+        sys.stderr.flush()
+        os.dup2(saved, 2)
+        os.close(saved)
+        held.seek(0)
+        lines = held.read().decode(errors="replace").splitlines(keepends=True)
+        held.close()
+        sys.stderr.write("".join(lines if verbose or failed else without_startup_notices(lines)))
+        sys.stderr.flush()
+
+
+def start_tensorflow(verbose):
+    """Imports TensorFlow and lets it probe for GPUs, which is where CUDA reports, its notices held back."""
+    with startup_output_held(verbose):
+        import tensorflow as tf
+
+        tf.config.list_physical_devices()
+    return tf
 
 
 # ---------------------------------------------------------------- step 1: the strategy
@@ -76,11 +133,47 @@ def write_json(path, payload):
     os.replace(partial, path)
 
 
+# ---------------------------------------------------------------- the summary for people
+
+def short_device(name):
+    return name.rsplit("/device:", 1)[-1]
+
+
+def trained_line(results):
+    first, epochs, steps = results["resumed_from_step"], results["epochs"], results["steps_per_epoch"]
+    if first >= epochs * steps:
+        return f"all {epochs} epochs were in the backup; nothing left to train"
+    epoch = first // steps + 1
+    done = f"epochs {epoch}-{epochs}" if epoch < epochs else f"epoch {epochs}"
+    resumed = f"resumed at epoch {epoch}, step {first % steps}: " if first else ""
+    return f"{resumed}{done} of {epochs} at {results['train_images_per_s']:,.0f} images/s"
+
+
+def summary(cfg, results, *, num_train, num_test, is_chief):
+    """A few lines for people, after the JSON for programs, in the order of the tutorial's steps."""
+    replicas = results["replicas"]
+    validation = ", validated each epoch" if cfg.validation else ""
+    lines = [
+        "Summary, in the tutorial's steps:",
+        f"  1. strategy  {results['strategy']}: {replicas} replica{'s' * (replicas != 1)} in sync "
+        f"on {', '.join(map(short_device, results['devices']))}",
+        f"  2. data      MNIST: {num_train:,} training and {num_test:,} test images, global batch "
+        f"{results['global_batch_size']}, {results['steps_per_epoch']} steps an epoch",
+        f"  4. training  {trained_line(results)}{validation}; tensorboard --logdir {cfg.path(cfg.log_dir)}",
+        f"  5. restore   latest checkpoint in {cfg.path(cfg.checkpoint_dir)}: "
+        f"test accuracy {results['eval_accuracy_checkpoint']:.4f}",
+        f"  6. export    {cfg.path(cfg.saved_model_dir)} reloaded: test accuracy "
+        f"{results['eval_accuracy_unreplicated']:.4f}, {results['eval_accuracy_replicated']:.4f} in the strategy's "
+        f"scope; Keras 3 file {cfg.path(cfg.keras_model_file)}",
+        f"  figures      {cfg.path(cfg.results_file)}" + ("" if is_chief else " (written by the chief)"),
+    ]
+    return "\n".join(lines)
+
+
 # ---------------------------------------------------------------- the run
 
 def run(cfg):
-    import tensorflow as tf
-
+    tf = start_tensorflow(cfg.verbose)
     strategy = make_strategy(cfg, tf)
     print(f"Number of devices: {strategy.num_replicas_in_sync}")
 
@@ -139,7 +232,10 @@ def run(cfg):
                                        backup_dir=backup_dir, steps_per_epoch=steps, preemption=preemption)
         start = time.perf_counter()
         # Keras's BackupAndRestore restores the same position from the same backup; initial_epoch only says so.
-        model.fit(train, epochs=cfg.epochs, initial_epoch=first_epoch, steps_per_epoch=steps, callbacks=cbs)
+        # With --validation, Keras evaluates the test split at each epoch's end; TensorBoard's callback writes
+        # those figures to a `validation` run beside `train`.
+        model.fit(train, epochs=cfg.epochs, initial_epoch=first_epoch, steps_per_epoch=steps, callbacks=cbs,
+                  validation_data=test if cfg.validation else None)
         train_seconds = time.perf_counter() - start
         train_images = data.images_in_steps(first_global_step, last_global_step, steps, global_batch, num_train)
 
@@ -150,9 +246,10 @@ def run(cfg):
         model.load_weights(tf.train.latest_checkpoint(checkpoint_dir)).assert_existing_objects_matched().expect_partial()
     _, accuracy_checkpoint = model.evaluate(test)
 
-    # Step 6: export, reload without and with the strategy's scope, evaluate both.
+    # Step 6: export, reload without and with the strategy's scope, evaluate both; and the Keras 3 file.
     saved_model = os.path.join(work_dir, cfg.saved_model_dir)
     export.export(model, saved_model)
+    export.export_keras(model, os.path.join(work_dir, cfg.keras_model_file))
     _, accuracy_unreplicated = export.reload(saved_model).evaluate(test)
     _, accuracy_replicated = export.reload(saved_model, strategy).evaluate(test)
 
@@ -180,6 +277,8 @@ def run(cfg):
     else:
         shutil.rmtree(work_dir, ignore_errors=True)
     print(json.dumps(results, indent=2))
+    print()
+    print(summary(cfg, results, num_train=num_train, num_test=info.splits["test"].num_examples, is_chief=is_chief))
     return EXIT_OK
 
 

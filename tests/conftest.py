@@ -149,7 +149,8 @@ class SmokeRun:
 def smoke_run(tmp_path_factory, data_dir):
     """The whole entrypoint, once, in its own process (logical devices and strategies are per process)."""
     output_dir = str(tmp_path_factory.mktemp("smoke") / "out")
-    args = smoke_args(data_dir, output_dir)
+    # With validation: the run also evaluates the test split at each epoch's end, across the replicas.
+    args = smoke_args(data_dir, output_dir) + ["--validation"]
     if SMOKE_CPU_REPLICAS:
         args += ["--cpu-replicas", str(SMOKE_CPU_REPLICAS)]
     proc = subprocess.run([sys.executable, "train_mnist_mirrored.py", *args], cwd=ROOT, env=subprocess_env(),
