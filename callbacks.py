@@ -1,10 +1,12 @@
 """Tutorial step 4's callbacks: TensorBoard, a weights checkpoint every epoch, the learning-rate
-schedule, the printed learning rate; plus the backup that lets a killed run resume."""
+schedule, the printed learning rate; plus the backup that lets a killed or pre-empted run resume."""
 
 import os
+import signal
 
 import tensorflow as tf
 
+from config import Preempted
 from model import keras
 
 
@@ -25,7 +27,117 @@ class PrintLR(keras.callbacks.Callback):
         print(f"\nLearning rate for epoch {epoch + 1} is {rate}")
 
 
-def make_callbacks(cfg, *, log_dir, checkpoint_dir, backup_dir):
+# ---------------------------------------------------------------- resume position and pre-emption
+
+# The variables Keras's BackupAndRestore keeps in its checkpoint: the epoch it was in, and its last finished step.
+SAVED_EPOCH = "ckpt_saved_epoch/.ATTRIBUTES/VARIABLE_VALUE"
+SAVED_STEP = "ckpt_saved_batch/.ATTRIBUTES/VARIABLE_VALUE"
+
+
+def backed_up_position(backup_dir, steps_per_epoch):
+    """(epoch, step) where a run resumes from the backup in `backup_dir`: (0, 0) when there is none.
+
+    The one place the position is computed; the input stream starts there, and Keras's `fit` reads the same
+    two variables with the same rule (after an epoch's last step, the next epoch's first).
+    """
+    latest = tf.train.latest_checkpoint(os.path.join(backup_dir, "chief"))
+    if latest is None:
+        return 0, 0
+    epoch, step = (int(tf.train.load_variable(latest, name)) for name in (SAVED_EPOCH, SAVED_STEP))
+    return (epoch + 1, 0) if step >= steps_per_epoch - 1 else (epoch, step + 1)
+
+
+class Preemption:
+    """SIGTERM, as Kubernetes and Slurm send it before a kill: noted while training, acted on at the next step
+    boundary by `Backup`; at any other moment it ends the run at once, since the backup already holds all
+    the training done."""
+
+    def __init__(self):
+        self.training = False
+        self.requested = False
+
+    def install(self):
+        signal.signal(signal.SIGTERM, self._on_sigterm)
+
+    def _on_sigterm(self, signum, frame):
+        if not self.training:
+            raise Preempted("pre-empted (SIGTERM) outside training; run the same command again to resume "
+                            "after the last backed-up step")
+        self.requested = True
+
+
+def _any_worker(strategy):
+    """A function telling whether any worker's flag is up: an all-reduce, so all workers stop at one step."""
+    if not isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy):
+        return lambda flag: flag
+
+    @tf.function
+    def combine(flag):
+        def on_replica():
+            # Made inside the replica function, so that it is placed on the replica's device. ReduceOp has no
+            # MAX; a sum above zero says the same.
+            return tf.distribute.get_replica_context().all_reduce(tf.distribute.ReduceOp.SUM, tf.cast(flag, tf.float32))
+
+        return strategy.experimental_local_results(strategy.run(on_replica))[0]
+
+    return lambda flag: bool(combine(tf.constant(int(flag))).numpy() > 0)
+
+
+class Backup(keras.callbacks.BackupAndRestore):
+    """Keras's BackupAndRestore, backing up at each epoch's end, every `every_steps` steps if given, and at the
+    next step boundary after SIGTERM, then raising `Preempted`.
+
+    Keras records the step an execution of `steps_per_execution` steps starts at, and resumes one step after
+    it, which repeats the execution's other steps; this records the last step it finished instead.
+    """
+
+    def __init__(self, backup_dir, *, steps_per_epoch, every_steps=None, preemption=None):
+        # An int save_freq is what makes Keras resume at a step rather than at an epoch; when to save is decided here.
+        super().__init__(backup_dir, save_freq=every_steps or steps_per_epoch, delete_checkpoint=False)
+        self._steps_per_epoch = steps_per_epoch
+        self._every_steps = every_steps
+        self._preemption = preemption or Preemption()
+
+    def on_train_begin(self, logs=None):
+        super().on_train_begin(logs)
+        self._preempted_anywhere = _any_worker(self.model.distribute_strategy)
+        self._preemption.training = True
+
+    def on_train_batch_begin(self, batch, logs=None):
+        pass
+
+    def on_train_batch_end(self, batch, logs=None):
+        # `batch` is the last step of the execution that just finished.
+        preempted = self._preempted_anywhere(self._preemption.requested)
+        if batch >= self._steps_per_epoch - 1:
+            return  # the epoch's end backs up, after its checkpoint, and acts on a pre-emption
+        due = self._every_steps and (batch + 1) % self._every_steps == 0
+        if due or preempted:
+            self._save(self._current_epoch, batch)
+        if preempted:
+            self._stop(self._current_epoch, batch + 1)
+
+    def on_epoch_end(self, epoch, logs=None):
+        self._save(epoch, self._steps_per_epoch - 1)
+        if self._preempted_anywhere(self._preemption.requested):
+            self._stop(epoch + 1, 0)
+
+    def on_train_end(self, logs=None):
+        self._preemption.training = False
+        super().on_train_end(logs)
+
+    def _save(self, epoch, last_step):
+        self._training_state._ckpt_saved_batch.assign(last_step)
+        self._backup(epoch=epoch, batch=last_step)
+
+    def _stop(self, epoch, step):
+        self._preemption.training = False
+        raise Preempted(f"pre-empted (SIGTERM); training state saved at epoch {epoch + 1}, step {step} "
+                        f"(global step {epoch * self._steps_per_epoch + step}); run the same command again "
+                        "to resume there")
+
+
+def make_callbacks(cfg, *, log_dir, checkpoint_dir, backup_dir, steps_per_epoch, preemption=None):
     schedule = keras.callbacks.LearningRateScheduler(lambda epoch: decay(epoch, cfg.lr_boundaries, cfg.lr_values))
     return [
         # Before TensorBoard, which writes the `lr` this one adds to each epoch's logs.
@@ -35,16 +147,8 @@ def make_callbacks(cfg, *, log_dir, checkpoint_dir, backup_dir):
             filepath=os.path.join(checkpoint_dir, cfg.checkpoint_name), save_weights_only=True),
         PrintLR(),
         # Last, so that an epoch counts as backed up only once its checkpoint is written. It restores the
-        # model, the optimizer and the epoch at train begin; the program, not Keras, deletes the backup
+        # model, the optimizer and the position at train begin; the program, not Keras, deletes the backup
         # once the whole run (export included) has finished, so a kill during export resumes there too.
-        keras.callbacks.BackupAndRestore(backup_dir, delete_checkpoint=False),
+        Backup(backup_dir, steps_per_epoch=steps_per_epoch, every_steps=cfg.backup_every_steps,
+               preemption=preemption),
     ]
-
-
-def backed_up_epoch(backup_dir):
-    """The epoch a BackupAndRestore backup will resume at (0 when there is none)."""
-    latest = tf.train.latest_checkpoint(os.path.join(backup_dir, "chief"))
-    if latest is None:
-        return 0
-    # BackupAndRestore records the last finished epoch under this key.
-    return int(tf.train.load_variable(latest, "ckpt_saved_epoch/.ATTRIBUTES/VARIABLE_VALUE")) + 1

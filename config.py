@@ -26,6 +26,10 @@ class UsageError(Exception):
     """A mistake the user can fix; the entrypoints print it as one line and exit non-zero."""
 
 
+class Preempted(Exception):
+    """SIGTERM ended the run after its state was saved; the same command resumes it (callbacks.Preemption)."""
+
+
 STRATEGIES = ("mirrored", "multiworker", "default")
 # What srun sets for each task of a job step, and TensorFlow's SlurmClusterResolver reads.
 SLURM_STEP_VARS = ("SLURM_PROCID", "SLURM_STEP_NUM_TASKS", "SLURM_STEP_NODELIST", "SLURM_STEP_TASKS_PER_NODE")
@@ -44,7 +48,7 @@ class Config:
     buffer_size: int = _option(10000, "shuffle buffer size, in examples")
     data_dir: typing.Optional[str] = _option(None, "tfds data dir; unset means tfds's own, ~/tensorflow_datasets")
     idx_dir: typing.Optional[str] = _option(None, "offline: if --data-dir holds no prepared mnist, prepare it first from the four MNIST IDX files here")
-    output_dir: str = _option(".", "where training_checkpoints/, logs/, saved_model/ and results.json are written")
+    output_dir: str = _option(".", "where training_checkpoints/, logs/, saved_model/, model.keras and results.json are written")
     steps_per_epoch: typing.Optional[int] = _option(None, "train at most this many steps each epoch (for quick smoke runs)")
 
     # Distribution.
@@ -61,12 +65,19 @@ class Config:
     seed: int = _option(42, "seed for Python, NumPy, TensorFlow and the shuffle")
     deterministic: bool = _option(False, "enable TensorFlow op determinism (bit-identical reruns, slower)")
     overwrite: bool = _option(False, "start afresh, replacing a finished or unfinished run already in --output-dir")
+    backup_every_steps: typing.Optional[int] = _option(
+        None, "also back up every N training steps, so a killed run resumes at a step rather than an epoch; "
+              "N must be a multiple of --steps-per-execution (unset: at each epoch's end only)")
 
     # Speed: each default is the fastest measured value (README, "Speed").
     steps_per_execution: int = _option(50, "train steps run inside one tf.function call")
     fused_adam: bool = _option(True, "Adam through TensorFlow's fused kernel (keras.optimizers.legacy.Adam): same update, fewer ops")
-    prefetch: bool = _option(False, "add a tf.data prefetch after batching (the distributed iterator already prefetches)")
     jit_compile: bool = _option(False, "compile the train step with XLA")
+
+    # What a run shows.
+    validation: bool = _option(False, "also evaluate on the test split at each epoch's end: val_ figures in the progress "
+                                      "bar and a validation run beside train in TensorBoard")
+    verbose: bool = _option(False, "show TensorFlow's C++ start-up notices (oneDNN, CUDA probing), which are held back otherwise")
 
     # The tutorial's schedule: 1e-3 for epochs 0-2, 1e-4 for 3-6, 1e-5 after.
     lr_boundaries: tuple = (3, 7)
@@ -77,6 +88,7 @@ class Config:
     checkpoint_name: str = "ckpt_{epoch}"
     log_dir: str = "logs"
     saved_model_dir: str = "saved_model"
+    keras_model_file: str = "model.keras"  # Keras 3's own format, beside the SavedModel
     backup_dir: str = "backup"
     results_file: str = "results.json"
 
@@ -99,8 +111,14 @@ def _positive(name, value):
 
 def validate(cfg):
     """Checks what can be checked before TensorFlow starts; raises UsageError."""
-    for name in ("epochs", "batch_size_per_replica", "buffer_size", "steps_per_epoch", "steps_per_execution"):
+    for name in ("epochs", "batch_size_per_replica", "buffer_size", "steps_per_epoch", "steps_per_execution",
+                 "backup_every_steps"):
         _positive(name, getattr(cfg, name))
+    if cfg.backup_every_steps and cfg.backup_every_steps % cfg.steps_per_execution:
+        # Keras runs steps_per_execution steps in one call; a backup can only fall between two calls.
+        multiple = cfg.steps_per_execution * max(1, round(cfg.backup_every_steps / cfg.steps_per_execution))
+        raise UsageError(f"--backup-every-steps {cfg.backup_every_steps} is not a multiple of --steps-per-execution "
+                         f"{cfg.steps_per_execution}; use a multiple, e.g. --backup-every-steps {multiple}")
     if cfg.cpu_replicas < 0:
         raise UsageError(f"--cpu-replicas must be 0 (off) or a positive count, got {cfg.cpu_replicas}")
     cores = os.cpu_count() or 1

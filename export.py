@@ -1,4 +1,7 @@
-"""Tutorial step 6: export a SavedModel, reload it without and with the strategy's scope, evaluate both."""
+"""Tutorial step 6: export a SavedModel, reload it without and with the strategy's scope, evaluate both.
+
+Beside it goes `model.keras`, the file today's Keras 3 tutorial exports, for Keras 3 users.
+"""
 
 import os
 import shutil
@@ -26,6 +29,22 @@ def export(model, path):
     shutil.rmtree(partial, ignore_errors=True)
     model.save(partial, save_format="tf", include_optimizer=False)
     replace_dir(partial, path)
+
+
+def export_keras(model, path):
+    """The trained model in the `.keras` format, which Keras 3's `keras.saving.load_model` reads.
+
+    Saved uncompiled: Keras 3 cannot rebuild tf_keras's compiled optimizer (neither `legacy.Adam` nor the
+    arguments tf_keras's `Adam` config carries), so a Keras 3 user compiles it after loading, as the
+    tutorial compiles its reloaded model. Written under a temporary name, then renamed into place; Keras
+    insists that the name end in `.keras`.
+    """
+    base, suffix = os.path.splitext(path)
+    partial = base + ".partial" + suffix
+    plain = keras.models.clone_model(model)
+    plain.set_weights(model.get_weights())
+    plain.save(partial)
+    os.replace(partial, path)
 
 
 def reload(path, strategy=None):

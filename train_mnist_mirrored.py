@@ -3,9 +3,11 @@
 Steps, in the tutorial's order: (1) the distribution strategy, (2) MNIST through tfds, (3) the model
 compiled inside `strategy.scope()`, (4) `fit` with TensorBoard, per-epoch checkpoints, the learning-rate
 schedule and a printed learning rate, (5) the latest checkpoint restored and evaluated, (6) a SavedModel
-exported and reloaded without and with the strategy's scope, both evaluated. Figures go to results.json.
+exported and reloaded without and with the strategy's scope, both evaluated, and a model.keras for Keras 3.
+Figures go to results.json; a short summary for people follows them.
 """
 
+import contextlib
 import json
 import os
 import re
@@ -14,10 +16,65 @@ import sys
 import tempfile
 import time
 
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # keep TensorFlow's C++ start-up chatter off stderr
+# TensorFlow's C++ INFO and WARNING lines once it runs (input-pipeline notices); errors still show. This does
+# not reach the notices TensorFlow prints while it starts: see start_tensorflow.
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import config
-from config import EXIT_BAD_INPUT, EXIT_INTERRUPTED, EXIT_OK, EXIT_PEER_LOST, UsageError
+from config import EXIT_BAD_INPUT, EXIT_INTERRUPTED, EXIT_OK, EXIT_PEER_LOST, EXIT_PREEMPTED, Preempted, UsageError
+
+
+# ---------------------------------------------------------------- TensorFlow's start-up
+
+# Lines TensorFlow 2.21 prints from C++ while it loads and probes for GPUs, before its logging is set up, so
+# TF_CPP_MIN_LOG_LEVEL does not reach them: notices nobody can act on. --verbose shows them.
+STARTUP_NOTICES = (
+    "WARNING: All log messages before absl::InitializeLog() is called are written to STDERR",
+    "] oneDNN custom operations are on.",
+    "] Could not find cuda drivers on your machine, GPU will not be used.",
+)
+NO_CUDA_DRIVER = STARTUP_NOTICES[2]
+# Without any CUDA driver (the notice above) this failure follows as a matter of course; with a driver it is
+# a real error, and shown.
+CUINIT_FAILED = "] failed call to cuInit:"
+
+
+def without_startup_notices(lines):
+    no_driver = any(NO_CUDA_DRIVER in line for line in lines)
+    return [line for line in lines
+            if not any(notice in line for notice in STARTUP_NOTICES) and not (no_driver and CUINIT_FAILED in line)]
+
+
+@contextlib.contextmanager
+def startup_output_held(verbose):
+    """Holds back what reaches file descriptor 2 (C++ and Python alike) while the block runs, then shows it
+    without TensorFlow's start-up notices: all of it with `verbose`, or when the block fails."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    held = tempfile.TemporaryFile()
+    failed = True
+    try:
+        os.dup2(held.fileno(), 2)
+        yield
+        failed = False
+    finally:
+        sys.stderr.flush()
+        os.dup2(saved, 2)
+        os.close(saved)
+        held.seek(0)
+        lines = held.read().decode(errors="replace").splitlines(keepends=True)
+        held.close()
+        sys.stderr.write("".join(lines if verbose or failed else without_startup_notices(lines)))
+        sys.stderr.flush()
+
+
+def start_tensorflow(verbose):
+    """Imports TensorFlow and lets it probe for GPUs, which is where CUDA reports, its notices held back."""
+    with startup_output_held(verbose):
+        import tensorflow as tf
+
+        tf.config.list_physical_devices()
+    return tf
 
 
 # ---------------------------------------------------------------- step 1: the strategy
@@ -51,8 +108,11 @@ def cluster_resolver(cfg, tf):
         return tf.distribute.cluster_resolver.TFConfigClusterResolver()
     try:
         if slurm_node_has_gpus():
-            # TensorFlow's resolver counts the node's GPUs and gives each task its share (CUDA_VISIBLE_DEVICES).
-            return tf.distribute.cluster_resolver.SlurmClusterResolver(port_base=cfg.slurm_port_base)
+            # TensorFlow's resolver counts the node's GPUs and gives each task its share in CUDA_VISIBLE_DEVICES.
+            slurm = tf.distribute.cluster_resolver.SlurmClusterResolver(port_base=cfg.slurm_port_base)
+            slurm.cluster_spec()
+            show_only_gpus(os.environ["CUDA_VISIBLE_DEVICES"], tf)
+            return slurm
         # Told "no GPUs", TensorFlow's resolver lists no tasks at all (it hands out one port per GPU share), so
         # give it one share per task, keep its cluster and task, and tell the strategy there are no GPUs.
         tasks = int(os.environ["SLURM_STEP_NUM_TASKS"])
@@ -66,6 +126,17 @@ def cluster_resolver(cfg, tf):
         # TensorFlow's resolver raises these for host or tasks-per-node lists it cannot read, or that disagree.
         raise UsageError(f"the Slurm variables do not describe this job step ({err}); start one task per worker "
                          "with srun inside the job (README, \"Slurm\"), or set TF_CONFIG") from None
+
+
+def show_only_gpus(share, tf):
+    """CUDA reads CUDA_VISIBLE_DEVICES once, and start_tensorflow has already probed the GPUs, so the resolver's
+    share (indices among the GPUs this process sees) becomes TensorFlow's visible devices instead."""
+    gpus = tf.config.list_physical_devices("GPU")
+    indices = [int(i) for i in share.split(",")]
+    if max(indices) >= len(gpus):
+        raise UsageError(f"Slurm's task was given GPUs {share}, but TensorFlow sees {len(gpus)} GPUs here; "
+                         "give each task at least one GPU of its node, or run on nodes without GPUs")
+    tf.config.set_visible_devices([gpus[i] for i in indices], "GPU")
 
 
 def slurm_node_has_gpus():
@@ -124,11 +195,47 @@ def write_json(path, payload):
     os.replace(partial, path)
 
 
+# ---------------------------------------------------------------- the summary for people
+
+def short_device(name):
+    return name.rsplit("/device:", 1)[-1]
+
+
+def trained_line(results):
+    first, epochs, steps = results["resumed_from_step"], results["epochs"], results["steps_per_epoch"]
+    if first >= epochs * steps:
+        return f"all {epochs} epochs were in the backup; nothing left to train"
+    epoch = first // steps + 1
+    done = f"epochs {epoch}-{epochs}" if epoch < epochs else f"epoch {epochs}"
+    resumed = f"resumed at epoch {epoch}, step {first % steps}: " if first else ""
+    return f"{resumed}{done} of {epochs} at {results['train_images_per_s']:,.0f} images/s"
+
+
+def summary(cfg, results, *, num_train, num_test, is_chief):
+    """A few lines for people, after the JSON for programs, in the order of the tutorial's steps."""
+    replicas = results["replicas"]
+    validation = ", validated each epoch" if cfg.validation else ""
+    lines = [
+        "Summary, in the tutorial's steps:",
+        f"  1. strategy  {results['strategy']}: {replicas} replica{'s' * (replicas != 1)} in sync "
+        f"on {', '.join(map(short_device, results['devices']))}",
+        f"  2. data      MNIST: {num_train:,} training and {num_test:,} test images, global batch "
+        f"{results['global_batch_size']}, {results['steps_per_epoch']} steps an epoch",
+        f"  4. training  {trained_line(results)}{validation}; tensorboard --logdir {cfg.path(cfg.log_dir)}",
+        f"  5. restore   latest checkpoint in {cfg.path(cfg.checkpoint_dir)}: "
+        f"test accuracy {results['eval_accuracy_checkpoint']:.4f}",
+        f"  6. export    {cfg.path(cfg.saved_model_dir)} reloaded: test accuracy "
+        f"{results['eval_accuracy_unreplicated']:.4f}, {results['eval_accuracy_replicated']:.4f} in the strategy's "
+        f"scope; Keras 3 file {cfg.path(cfg.keras_model_file)}",
+        f"  figures      {cfg.path(cfg.results_file)}" + ("" if is_chief else " (written by the chief)"),
+    ]
+    return "\n".join(lines)
+
+
 # ---------------------------------------------------------------- the run
 
 def run(cfg):
-    import tensorflow as tf
-
+    tf = start_tensorflow(cfg.verbose)
     strategy = make_strategy(cfg, tf)
     print(f"Number of devices: {strategy.num_replicas_in_sync}")
 
@@ -139,6 +246,10 @@ def run(cfg):
     import export
     from model import build_model, compile_model, keras
 
+    # From here on SIGTERM saves and stops training at the next step boundary, or ends the run at once when
+    # it is not training (exit 143 either way).
+    preemption = callbacks.Preemption()
+    preemption.install()
     keras.utils.set_random_seed(cfg.seed)
     if cfg.deterministic:
         tf.config.experimental.enable_op_determinism()
@@ -147,8 +258,11 @@ def run(cfg):
     checkpoint_dir = cfg.path(cfg.checkpoint_dir)
     backup_dir = cfg.path(cfg.backup_dir)
 
-    # Step 2: the data, read before any output is touched so that a bad --data-dir changes nothing.
-    datasets, info = data.load(cfg.data_dir, cfg.idx_dir)
+    # Step 2: the data, read before any output is touched so that a bad --data-dir changes nothing. Both splits
+    # are held in memory (47 MB) and batches gathered from there: the tutorial's per-example stream cost most of
+    # the first epoch (README, "Speed").
+    _, info = data.load(cfg.data_dir, cfg.idx_dir)
+    arrays = {split: data.resident_split(info, split) for split in ("train", "test")}
 
     # Only the chief writes where the user asked; other workers write to a folder they remove at the end.
     is_chief = strategy.extended.should_checkpoint
@@ -159,28 +273,33 @@ def run(cfg):
     global_batch = cfg.batch_size_per_replica * strategy.num_replicas_in_sync
     num_train = info.splits["train"].num_examples
     steps = data.steps_per_epoch(num_train, global_batch, cfg.steps_per_epoch)
-    first_epoch = callbacks.backed_up_epoch(backup_dir)
+    first_epoch, first_step = callbacks.backed_up_position(backup_dir, steps)
     train = data.train_dataset(
-        datasets["train"], buffer_size=cfg.buffer_size, global_batch=global_batch, seed=cfg.seed,
-        first_epoch=first_epoch, epochs=cfg.epochs, steps=steps, prefetch=cfg.prefetch)
-    test = data.eval_dataset(datasets["test"], global_batch=global_batch)
+        *arrays["train"], buffer_size=cfg.buffer_size, global_batch=global_batch, seed=cfg.seed,
+        first_epoch=first_epoch, first_step=first_step, epochs=cfg.epochs, steps=steps)
+    test = data.eval_dataset(*arrays["test"], global_batch=global_batch)
 
     # Step 3: the model, inside the strategy's scope.
     with strategy.scope():
         model = compile_model(build_model(), steps_per_execution=cfg.steps_per_execution,
                               jit_compile=cfg.jit_compile, fused_adam=cfg.fused_adam)
 
-    # Step 4: training. A resumed run starts at the epoch after the last one backed up.
-    if first_epoch:
-        print(f"Resuming from the backup in {backup_dir} at epoch {first_epoch + 1}")
+    # Step 4: training. A resumed run starts at the step after the last one backed up.
+    first_global_step, last_global_step = first_epoch * steps + first_step, cfg.epochs * steps
+    if first_global_step:
+        print(f"Resuming from the backup in {backup_dir} at epoch {first_epoch + 1}, step {first_step}")
     train_seconds, train_images = 0.0, 0
-    if first_epoch < cfg.epochs:
-        cbs = callbacks.make_callbacks(cfg, log_dir=os.path.join(work_dir, cfg.log_dir),
-                                       checkpoint_dir=checkpoint_dir, backup_dir=backup_dir)
+    if first_global_step < last_global_step:
+        cbs = callbacks.make_callbacks(cfg, log_dir=os.path.join(work_dir, cfg.log_dir), checkpoint_dir=checkpoint_dir,
+                                       backup_dir=backup_dir, steps_per_epoch=steps, preemption=preemption)
         start = time.perf_counter()
-        model.fit(train, epochs=cfg.epochs, steps_per_epoch=steps, callbacks=cbs)
+        # Keras's BackupAndRestore restores the same position from the same backup; initial_epoch only says so.
+        # With --validation, Keras evaluates the test split at each epoch's end; TensorBoard's callback writes
+        # those figures to a `validation` run beside `train`.
+        model.fit(train, epochs=cfg.epochs, initial_epoch=first_epoch, steps_per_epoch=steps, callbacks=cbs,
+                  validation_data=test if cfg.validation else None)
         train_seconds = time.perf_counter() - start
-        train_images = (cfg.epochs - first_epoch) * data.images_per_epoch(steps, global_batch, num_train)
+        train_images = data.images_in_steps(first_global_step, last_global_step, steps, global_batch, num_train)
 
     # Step 5: the latest checkpoint, restored and evaluated. A non-chief that just trained skips the restore:
     # synchronous training left it the chief's weights, and the chief may still be writing that checkpoint.
@@ -189,9 +308,10 @@ def run(cfg):
         model.load_weights(tf.train.latest_checkpoint(checkpoint_dir)).assert_existing_objects_matched().expect_partial()
     _, accuracy_checkpoint = model.evaluate(test)
 
-    # Step 6: export, reload without and with the strategy's scope, evaluate both.
+    # Step 6: export, reload without and with the strategy's scope, evaluate both; and the Keras 3 file.
     saved_model = os.path.join(work_dir, cfg.saved_model_dir)
     export.export(model, saved_model)
+    export.export_keras(model, os.path.join(work_dir, cfg.keras_model_file))
     _, accuracy_unreplicated = export.reload(saved_model).evaluate(test)
     _, accuracy_replicated = export.reload(saved_model, strategy).evaluate(test)
 
@@ -203,6 +323,7 @@ def run(cfg):
         "global_batch_size": global_batch,
         "steps_per_epoch": steps,
         "resumed_from_epoch": first_epoch,
+        "resumed_from_step": first_global_step,
         "train_images": train_images,
         "train_seconds": round(train_seconds, 3),
         "train_images_per_s": round(train_images / train_seconds, 1) if train_seconds else None,
@@ -218,6 +339,8 @@ def run(cfg):
     else:
         shutil.rmtree(work_dir, ignore_errors=True)
     print(json.dumps(results, indent=2))
+    print()
+    print(summary(cfg, results, num_train=num_train, num_test=info.splits["test"].num_examples, is_chief=is_chief))
     return EXIT_OK
 
 
@@ -255,15 +378,18 @@ def main(argv=None):
     except UsageError as err:
         print(f"error: {err}", file=sys.stderr)
         return EXIT_BAD_INPUT
+    except Preempted as err:
+        print(f"error: {err}", file=sys.stderr)
+        return EXIT_PREEMPTED
     except KeyboardInterrupt:
-        print("error: interrupted; run the same command again to resume after the last finished epoch", file=sys.stderr)
+        print("error: interrupted; run the same command again to resume after the last backup", file=sys.stderr)
         return EXIT_INTERRUPTED
     except Exception as err:
         lost = lost_peer(cfg, err)
         if lost is None:
             raise
-        print(f"error: {lost}; restart every worker with the same command: the run resumes after the last "
-              "backed-up epoch", file=sys.stderr)
+        print(f"error: {lost}; restart every worker with the same command: the run resumes from the last backup",
+              file=sys.stderr)
         # TensorFlow's runtime is unusable after a collective abort ("Restart your program to reset"), and
         # tearing it down waits on the input pipeline's threads (measured: 7-30 s). Every epoch's checkpoint
         # and backup is already complete on disk, so leave at once.

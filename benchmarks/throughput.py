@@ -1,16 +1,19 @@
-"""Training throughput: the tutorial's pipeline as it writes it against the project's, side by side.
+"""Training throughput of the project's default run against the model's own compute ceiling.
 
     python benchmarks/throughput.py --idx-dir ../shared/datasets/mnist      # or --data-dir DIR (prepared)
+    python benchmarks/throughput.py --data-dir DIR --quick                  # 3 epochs, 2 rounds
 
-Rounds alternate A B A B ..., each in a fresh process (as a real run is), a fresh model trained `--epochs`
-full epochs; the first epoch includes the input cache fill and tracing, as in a real run. A round's time is
-the wall time of `fit`. Also measured: a compute-only ceiling, the same train step
-looping over batches already resident in memory inside one tf.function, with no input pipeline and no
-per-step Python. Figures are printed and written to `--output` (JSON).
+Each round runs, each in a fresh process (as a real run is): the tutorial's code exactly as it writes it, the
+project's default run, any `--variants` (the project with one change undone), and the compute ceiling. A
+round of a pipeline trains a fresh model `--epochs` full epochs with `fit`; its time is the wall time of
+`fit`, first epoch, tracing and callbacks included. The ceiling is the same train step looping inside one
+tf.function over batches already in memory: no input pipeline, no callbacks, no per-step Python, tracing
+excluded. The headline is the project's median over rounds divided by the ceiling's median.
 
 Wall time suffers when the machine is shared: a virtual machine's host may run other guests on its cores
-(steal time; 19 % of this project's 2-core machine during one run). So each round also reports images per
-CPU-second of its own process (all threads), which stolen time does not count, and the round's steal share.
+(steal time). So each round also reports images per CPU-second of its own process (all threads), which stolen
+time does not count, and the round's steal share. Reading the data before `fit` (the project's resident
+splits; `tfds.load`, which reads lazily, for the tutorial) is reported beside it, in seconds.
 """
 
 import argparse
@@ -32,23 +35,26 @@ import tensorflow as tf  # noqa: E402
 
 import callbacks  # noqa: E402
 import data  # noqa: E402
-from config import Config, UsageError  # noqa: E402
+from config import EXIT_BAD_INPUT, EXIT_OK, Config, UsageError  # noqa: E402
 from model import build_model, compile_model, keras  # noqa: E402
 
 RESULT_MARK = "BENCH "
 PROC_STAT = "/proc/stat"  # Linux's CPU time counters; the 8th is time stolen by the hypervisor
 PROC_CPUINFO = "/proc/cpuinfo"
 STEAL_COLUMN = 7
-# Wall-time ratio (what a user waits for) and CPU-time ratio (what stolen time does not blur).
-RATIO_KEYS = {"images_per_s": "ratio_to_tutorial", "images_per_cpu_s": "cpu_ratio_to_tutorial"}
+QUICK = {"epochs": 3, "rounds": 2}
+RATES = ("images_per_s", "images_per_cpu_s")  # wall time (what a user waits for), CPU time (what steal does not blur)
+BASELINES = ("ceiling", "tutorial")
 
-# Each variant is the project's default run with one change undone, or (prefetch, jit_compile) one more tried.
+# Each variant is the project's default run with one change undone (or, for jit_compile, one more tried):
+# config fields to replace, and whether the input path is the previous one or has tf.data's autotuner on.
 VARIANTS = {
     "project": {},
-    "keras_adam": {"fused_adam": False},
-    "steps_per_execution_1": {"steps_per_execution": 1},
-    "prefetch": {"prefetch": True},
-    "jit_compile": {"jit_compile": True},
+    "tfds_stream": {"input": "tfds_stream"},
+    "autotune": {"input": "autotune"},
+    "steps_per_execution_1": {"config": {"steps_per_execution": 1}},
+    "keras_adam": {"config": {"fused_adam": False}},
+    "jit_compile": {"config": {"jit_compile": True}},
 }
 
 
@@ -58,10 +64,10 @@ def _cpu_seconds():
 
 
 def _timed(work):
-    """(wall seconds, CPU seconds of this process) that `work()` took."""
+    """(result, wall seconds, CPU seconds of this process) of `work()`."""
     wall, cpu = time.perf_counter(), _cpu_seconds()
-    work()
-    return time.perf_counter() - wall, _cpu_seconds() - cpu
+    result = work()
+    return result, time.perf_counter() - wall, _cpu_seconds() - cpu
 
 
 def _cpu_ticks():
@@ -82,6 +88,8 @@ def _cpu_model():
         return platform.processor() or platform.machine()
 
 
+# ---------------------------------------------------------------- one round of each pipeline
+
 def tutorial_round(datasets, info, cfg, strategy, epochs, work_dir):
     """The tutorial's code: its pipeline, its compile, `fit` with its four callbacks."""
     global_batch = cfg.batch_size_per_replica * strategy.num_replicas_in_sync
@@ -92,34 +100,52 @@ def tutorial_round(datasets, info, cfg, strategy, epochs, work_dir):
     cbs = [keras.callbacks.TensorBoard(log_dir=os.path.join(work_dir, "logs")),
            keras.callbacks.ModelCheckpoint(os.path.join(work_dir, "ckpt_{epoch}"), save_weights_only=True),
            schedule, callbacks.PrintLR()]
-    times = _timed(lambda: model.fit(train, epochs=epochs, callbacks=cbs, verbose=0))
-    return info.splits["train"].num_examples * epochs, times
+    _, wall, cpu = _timed(lambda: model.fit(train, epochs=epochs, callbacks=cbs, verbose=0))
+    return info.splits["train"].num_examples * epochs, wall, cpu, 0.0
 
 
-def project_round(datasets, info, cfg, strategy, epochs, work_dir):
-    """The project's default run's pipeline, compile and callbacks (the ones `train_mnist_mirrored` uses)."""
+def tfds_stream(datasets, cfg, global_batch, epochs, steps):
+    """The input path before the resident splits: tfds's per-example stream, cached, with the same seeded shuffle."""
+    cached = datasets["train"].map(data.scale).cache()
+
+    def one_epoch(epoch):
+        shuffled = cached.shuffle(cfg.buffer_size, seed=cfg.seed + epoch, reshuffle_each_iteration=False)
+        return shuffled.batch(global_batch).take(steps)
+
+    return data.for_distribution(tf.data.Dataset.range(epochs).flat_map(one_epoch).repeat())
+
+
+def project_round(datasets, info, cfg, strategy, epochs, work_dir, variant):
+    """The project's default run's input path, compile and callbacks (the ones `train_mnist_mirrored` uses)."""
     global_batch = cfg.batch_size_per_replica * strategy.num_replicas_in_sync
     num_train = info.splits["train"].num_examples
     steps = data.steps_per_epoch(num_train, global_batch)
-    train = data.train_dataset(datasets["train"], buffer_size=cfg.buffer_size, global_batch=global_batch,
-                               seed=cfg.seed, first_epoch=0, epochs=epochs, steps=steps, prefetch=cfg.prefetch)
+    if variant.get("input") == "tfds_stream":
+        train, read = tfds_stream(datasets, cfg, global_batch, epochs, steps), 0.0
+    else:
+        arrays, read, _ = _timed(lambda: data.resident_split(info, "train"))
+        train = data.train_dataset(*arrays, buffer_size=cfg.buffer_size, global_batch=global_batch, seed=cfg.seed,
+                                   first_epoch=0, first_step=0, epochs=epochs, steps=steps)
+    if variant.get("input") == "autotune":
+        options = tf.data.Options()
+        options.autotune.enabled = True
+        train = train.with_options(options)
     with strategy.scope():
         model = compile_model(build_model(), steps_per_execution=cfg.steps_per_execution,
                               jit_compile=cfg.jit_compile, fused_adam=cfg.fused_adam)
-    cbs = callbacks.make_callbacks(cfg, log_dir=os.path.join(work_dir, "logs"),
-                                   checkpoint_dir=os.path.join(work_dir, "ckpt"), backup_dir=os.path.join(work_dir, "backup"))
-    times = _timed(lambda: model.fit(train, epochs=epochs, steps_per_epoch=steps, callbacks=cbs, verbose=0))
-    return epochs * data.images_per_epoch(steps, global_batch, num_train), times
+    cbs = callbacks.make_callbacks(cfg, log_dir=os.path.join(work_dir, "logs"), checkpoint_dir=os.path.join(work_dir, "ckpt"),
+                                   backup_dir=os.path.join(work_dir, "backup"), steps_per_epoch=steps)
+    _, wall, cpu = _timed(lambda: model.fit(train, epochs=epochs, steps_per_epoch=steps, callbacks=cbs, verbose=0))
+    return epochs * data.images_per_epoch(steps, global_batch, num_train), wall, cpu, read
 
 
-def compute_ceiling(datasets, info, cfg, strategy, epochs):
+def ceiling_round(info, cfg, strategy, epochs):
     """The train step alone: every batch already in memory, one tf.function looping over them."""
     global_batch = cfg.batch_size_per_replica * strategy.num_replicas_in_sync
-    num_train = info.splits["train"].num_examples
-    full = num_train // global_batch
-    images, labels = next(iter(datasets["train"].map(data.scale).batch(full * global_batch)))
-    images = tf.reshape(images, (full, global_batch, 28, 28, 1))
-    labels = tf.reshape(labels, (full, global_batch))
+    full = info.splits["train"].num_examples // global_batch
+    images, labels = data.scale(*data.resident_split(info, "train"))
+    images = tf.reshape(images[:full * global_batch], (full, global_batch, 28, 28, 1))
+    labels = tf.reshape(labels[:full * global_batch], (full, global_batch))
     with strategy.scope():
         model = compile_model(build_model(), fused_adam=cfg.fused_adam)
         model.build((None, 28, 28, 1))
@@ -130,8 +156,8 @@ def compute_ceiling(datasets, info, cfg, strategy, epochs):
             strategy.run(model.train_step, args=((images[i], labels[i]),))
 
     train_epoch()  # trace and warm up outside the timing
-    times = _timed(lambda: [train_epoch() for _ in range(epochs)])
-    return full * global_batch * epochs, times
+    _, wall, cpu = _timed(lambda: [train_epoch() for _ in range(epochs)])
+    return full * global_batch * epochs, wall, cpu, 0.0
 
 
 def measure_one(name, data_dir, epochs):
@@ -144,8 +170,10 @@ def measure_one(name, data_dir, epochs):
         if name == "tutorial":
             return tutorial_round(datasets, info, cfg, strategy, epochs, work_dir)
         if name == "ceiling":
-            return compute_ceiling(datasets, info, cfg, strategy, epochs)
-        return project_round(datasets, info, dataclasses.replace(cfg, **VARIANTS[name]), strategy, epochs, work_dir)
+            return ceiling_round(info, cfg, strategy, epochs)
+        variant = VARIANTS[name]
+        cfg = dataclasses.replace(cfg, **variant.get("config", {}))
+        return project_round(datasets, info, cfg, strategy, epochs, work_dir, variant)
 
 
 def run_one(name, data_dir, epochs):
@@ -166,7 +194,40 @@ def run_one(name, data_dir, epochs):
 
 def _describe(figures):
     steal = "" if figures["steal_percent"] is None else f"   steal {figures['steal_percent']:4.1f} %"
-    return f"{figures['images_per_s']:8.0f} images/s {figures['images_per_cpu_s']:8.0f} images/CPU-s{steal}"
+    return (f"{figures['images_per_s']:8.0f} images/s {figures['images_per_cpu_s']:8.0f} images/CPU-s"
+            f"   read {figures['read_seconds']:5.2f} s{steal}")
+
+
+# ---------------------------------------------------------------- summary
+
+def summarize(rounds, args):
+    """Medians over rounds, and each pipeline's ratio to the ceiling and to the tutorial, for both rates."""
+    results = {"cpu_model": _cpu_model(), "cpu_cores": os.cpu_count(), "replicas": 1,
+               "epochs_per_round": args.epochs, "rounds": args.rounds}
+    for key in RATES:
+        rates = {name: [r[key] for r in measured] for name, measured in rounds.items()}
+        medians = {name: statistics.median(values) for name, values in rates.items()}
+        results[key] = {name: [round(v, 1) for v in values] for name, values in rates.items()}
+        results[f"median_{key}"] = {name: round(m, 1) for name, m in medians.items()}
+        for baseline in BASELINES:
+            prefix = "" if key == "images_per_s" else "cpu_"
+            results[f"{prefix}ratio_to_{baseline}"] = {name: round(m / medians[baseline], 3) for name, m in medians.items()}
+    results["steal_percent"] = {name: [r["steal_percent"] for r in measured] for name, measured in rounds.items()}
+    results["read_seconds"] = {name: [round(r["read_seconds"], 2) for r in measured] for name, measured in rounds.items()}
+    return results
+
+
+def print_table(results):
+    print(f"\n{'pipeline':<22} {'images/s':>9} {'x ceiling':>10} {'x tutorial':>11} {'images/CPU-s':>13} "
+          f"{'x ceiling':>10} {'read s':>7} {'steal %':>8}")
+    for name, wall in results["median_images_per_s"].items():
+        steal = [s for s in results["steal_percent"][name] if s is not None]
+        print(f"{name:<22} {wall:>9.0f} {results['ratio_to_ceiling'][name]:>10.3f} "
+              f"{results['ratio_to_tutorial'][name]:>11.2f} {results['median_images_per_cpu_s'][name]:>13.0f} "
+              f"{results['cpu_ratio_to_ceiling'][name]:>10.3f} {statistics.median(results['read_seconds'][name]):>7.2f} "
+              f"{statistics.median(steal) if steal else float('nan'):>8.1f}")
+    print(f"\nproject: {results['ratio_to_ceiling']['project']:.3f} of the compute ceiling "
+          f"(median of {results['rounds']} rounds, {results['epochs_per_round']} epochs each, first epoch included)")
 
 
 def main(argv=None):
@@ -174,20 +235,27 @@ def main(argv=None):
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--idx-dir", help="folder with the four MNIST IDX files (prepared into a temporary tfds dir)")
     source.add_argument("--data-dir", help="a prepared tfds data dir")
-    parser.add_argument("--rounds", type=int, default=2, help="A B rounds (at least 2 for a fair comparison)")
+    parser.add_argument("--rounds", type=int, default=2, help="rounds of every pipeline (at least 2 for a median)")
     parser.add_argument("--epochs", type=int, default=Config().epochs, help="full epochs per round (default: the default run's)")
+    parser.add_argument("--quick", action="store_true", help=f"for development: {QUICK['epochs']} epochs, {QUICK['rounds']} rounds")
     parser.add_argument("--variants", default="project", help=f"comma-separated, from: {','.join(VARIANTS)}")
     parser.add_argument("--output", default="benchmarks/throughput.json", help="JSON file for the figures")
     parser.add_argument("--one", help=argparse.SUPPRESS)  # internal: measure one round in this process
+    if parser.parse_args(argv).quick:
+        parser.set_defaults(**QUICK)  # defaults only: --epochs or --rounds given beside --quick still win
     args = parser.parse_args(argv)
     if args.one:
-        images, (wall, cpu) = measure_one(args.one, args.data_dir, args.epochs)
-        print(RESULT_MARK + json.dumps({"images_per_s": images / wall, "images_per_cpu_s": images / cpu}))
-        return 0
+        images, wall, cpu, read = measure_one(args.one, args.data_dir, args.epochs)
+        print(RESULT_MARK + json.dumps({"images_per_s": images / wall, "images_per_cpu_s": images / cpu,
+                                        "read_seconds": read}))
+        return EXIT_OK
     try:
-        unknown = set(args.variants.split(",")) - set(VARIANTS)
+        names = args.variants.split(",")
+        unknown = set(names) - set(VARIANTS)
         if unknown:
             raise UsageError(f"unknown variant(s) {', '.join(sorted(unknown))}; choose from {', '.join(VARIANTS)}")
+        if "project" not in names:
+            raise UsageError("--variants must include project, the run the ratios are about; add it")
         if args.rounds < 1 or args.epochs < 1:
             raise UsageError("--rounds and --epochs must be at least 1")
         work = tempfile.TemporaryDirectory(prefix="mnist-bench-")
@@ -195,42 +263,22 @@ def main(argv=None):
         data.load(data_dir, args.idx_dir)  # checks the data (and prepares it from --idx-dir) once, up front
     except UsageError as err:
         print(f"error: {err}", file=sys.stderr)
-        return 2
+        return EXIT_BAD_INPUT
 
-    names = ["tutorial"] + args.variants.split(",")
-    rounds = {name: [] for name in names}
+    rounds = {name: [] for name in ["tutorial", *names, "ceiling"]}
     for round_ in range(args.rounds):
-        for name in names:
+        for name in rounds:
             rounds[name].append(run_one(name, data_dir, args.epochs))
-            print(f"round {round_ + 1}  {name:<24} {_describe(rounds[name][-1])}", flush=True)
-    ceiling = run_one("ceiling", data_dir, args.epochs)
-    print(f"ceiling  {'train step alone':<24} {_describe(ceiling)}", flush=True)
+            print(f"round {round_ + 1}  {name:<22} {_describe(rounds[name][-1])}", flush=True)
 
-    results = {"cpu_model": _cpu_model(), "cpu_cores": os.cpu_count(), "replicas": 1,
-               "epochs_per_round": args.epochs, "rounds": args.rounds}
-    table = {name: [] for name in names + ["ceiling"]}  # per row: (median, x tutorial) for each key
-    for key in ("images_per_s", "images_per_cpu_s"):
-        rates = {name: [r[key] for r in measured] for name, measured in rounds.items()}
-        medians = {name: statistics.median(values) for name, values in rates.items()}
-        ratios = {name: m / medians["tutorial"] for name, m in medians.items()}
-        results[key] = {name: [round(v, 1) for v in values] for name, values in rates.items()}
-        results[f"median_{key}"] = {name: round(m, 1) for name, m in medians.items()}
-        results[RATIO_KEYS[key]] = {name: round(r, 3) for name, r in ratios.items()}
-        results[f"compute_ceiling_{key}"] = round(ceiling[key], 1)
-        for name in names:
-            table[name].append((medians[name], ratios[name]))
-        table["ceiling"].append((ceiling[key], ceiling[key] / medians["tutorial"]))
-    results["steal_percent"] = {name: [r["steal_percent"] for r in measured] for name, measured in rounds.items()}
-
-    print(f"\n{'pipeline':<24} {'images/s':>10} {'x tutorial':>11} {'images/CPU-s':>13} {'x tutorial':>11}")
-    for name, ((wall, wall_ratio), (cpu, cpu_ratio)) in table.items():
-        print(f"{name:<24} {wall:>10.0f} {wall_ratio:>11.2f} {cpu:>13.0f} {cpu_ratio:>11.2f}")
+    results = summarize(rounds, args)
+    print_table(results)
     os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
     with open(args.output, "w") as f:
         json.dump(results, f, indent=2)
     print(f"figures written to {args.output}")
     work.cleanup()
-    return 0
+    return EXIT_OK
 
 
 if __name__ == "__main__":

@@ -106,6 +106,18 @@ def data_dir(tmp_path_factory, idx_dir):
     return target
 
 
+@pytest.fixture(scope="session")
+def resume_data_dir(tmp_path_factory):
+    """A larger split (1,600 training images), so that an epoch lasts long enough to be interrupted inside it."""
+    import data
+
+    rng = np.random.default_rng(99)
+    idx = write_idx_dir(tmp_path_factory.mktemp("idx_resume"), {"train": make_split(1600, rng), "test": make_split(64, rng)})
+    target = str(tmp_path_factory.mktemp("tfds_resume") / "data")
+    data.prepare(idx, target)
+    return target
+
+
 def subprocess_env():
     env = dict(os.environ)
     env.pop("TF_CONFIG", None)
@@ -195,7 +207,8 @@ class SmokeRun:
 def smoke_run(tmp_path_factory, data_dir):
     """The whole entrypoint, once, in its own process (logical devices and strategies are per process)."""
     output_dir = str(tmp_path_factory.mktemp("smoke") / "out")
-    args = smoke_args(data_dir, output_dir)
+    # With validation: the run also evaluates the test split at each epoch's end, across the replicas.
+    args = smoke_args(data_dir, output_dir) + ["--validation"]
     if SMOKE_CPU_REPLICAS:
         args += ["--cpu-replicas", str(SMOKE_CPU_REPLICAS)]
     proc = subprocess.run([sys.executable, "train_mnist_mirrored.py", *args], cwd=ROOT, env=subprocess_env(),
@@ -210,3 +223,15 @@ def smoke_ok(smoke_run):
         f"smoke run failed (exit {smoke_run.returncode})\nstdout:\n{smoke_run.stdout[-4000:]}\n"
         f"stderr:\n{smoke_run.stderr[-4000:]}")
     return smoke_run
+
+
+def final_weights(output_dir, epochs):
+    """{variable name: array} of the model's layers in the last per-epoch checkpoint, which must be epoch `epochs`'s."""
+    import tensorflow as tf
+
+    path = tf.train.latest_checkpoint(os.path.join(output_dir, "training_checkpoints"))
+    assert path.endswith(f"ckpt_{epochs}")
+    ckpt = tf.train.load_checkpoint(path)
+    names = sorted(n for n, _ in tf.train.list_variables(path) if n.startswith("layer_with_weights"))
+    assert names, "the checkpoint must hold the model's layers"
+    return {n: ckpt.get_tensor(n) for n in names}

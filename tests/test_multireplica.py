@@ -85,7 +85,7 @@ def test_two_workers_on_loopback(tmp_path, data_dir):
     assert results["replicas"] == 2 and results["strategy"] == "multiworker"
     assert results["eval_accuracy_checkpoint"] == results["eval_accuracy_unreplicated"] == results["eval_accuracy_replicated"]
     # Only the chief's outputs are in --output-dir: no worker's temporary copies, and no backup once finished.
-    assert sorted(os.listdir(output_dir)) == ["logs", "results.json", "saved_model", "training_checkpoints"]
+    assert sorted(os.listdir(output_dir)) == ["logs", "model.keras", "results.json", "saved_model", "training_checkpoints"]
     assert not [d for d in os.listdir(os.path.join(output_dir, "training_checkpoints")) if d.startswith("workertemp")]
     # The non-chief wrote its copies to a temporary folder of its own and removed it.
     assert os.listdir(tmp_path / "tmp1") == []

@@ -9,23 +9,12 @@ import sys
 import numpy as np
 import pytest
 
-from conftest import ROOT, make_split, subprocess_env, write_idx_dir
+from conftest import ROOT, final_weights, subprocess_env
 
 EPOCHS = 4
 # Enough steps that an epoch lasts long enough to be killed inside it.
 RESUME_FLAGS = ["--epochs", str(EPOCHS), "--batch-size-per-replica", "8", "--steps-per-execution", "1",
                 "--deterministic", "--seed", "7"]
-
-
-@pytest.fixture(scope="module")
-def resume_data_dir(tmp_path_factory):
-    import data
-
-    rng = np.random.default_rng(99)
-    idx = write_idx_dir(tmp_path_factory.mktemp("idx_resume"), {"train": make_split(1600, rng), "test": make_split(64, rng)})
-    target = str(tmp_path_factory.mktemp("tfds_resume") / "data")
-    data.prepare(idx, target)
-    return target
 
 
 def _command(data_dir, output_dir):
@@ -40,14 +29,7 @@ def _run(data_dir, output_dir):
 
 
 def _final_weights(output_dir):
-    import tensorflow as tf
-
-    path = tf.train.latest_checkpoint(os.path.join(output_dir, "training_checkpoints"))
-    assert path.endswith(f"ckpt_{EPOCHS}")
-    ckpt = tf.train.load_checkpoint(path)
-    names = sorted(n for n, _ in tf.train.list_variables(path) if n.startswith("layer_with_weights"))
-    assert names, "the checkpoint must hold the model's layers"
-    return {n: ckpt.get_tensor(n) for n in names}
+    return final_weights(output_dir, EPOCHS)
 
 
 @pytest.fixture(scope="module")

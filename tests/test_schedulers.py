@@ -110,7 +110,7 @@ def test_tfjob_worker_lost_exits_138_and_restart_resumes(tmp_path, data_dir):
     assert last.startswith("error: lost worker 0 ") and "restart every worker with the same command" in last
     assert not os.path.exists(os.path.join(output_dir, "results.json"))
 
-    # Kubeflow restarts every pod with the same command: the run resumes after the last backed-up epoch.
+    # Kubeflow restarts every pod with the same command: the run resumes from the last backup.
     restarted = start(2)
     for w, status in zip(restarted, finish(restarted)):
         assert status == 0, w.stderr[-3000:]
@@ -144,8 +144,11 @@ def test_lost_peer_is_named_only_for_multiworker_collective_failures():
 # ---------------------------------------------------------------- bad Slurm variables and options: exit 2
 
 @pytest.fixture
-def slurm_step(monkeypatch, tmp_path):
+def slurm_step(monkeypatch, tmp_path, capsys):
     """srun's variables for task `rank` of a one-node step, in this process, on a machine without GPUs."""
+    # TensorFlow's first GPU probe in a process may print CUDA's cuInit line; let it happen here, not in the test.
+    train_mnist_mirrored.start_tensorflow(verbose=False)
+    capsys.readouterr()
     monkeypatch.delenv("TF_CONFIG", raising=False)
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     monkeypatch.setenv("PATH", _no_nvidia_smi())
@@ -170,8 +173,10 @@ def slurm_step(monkeypatch, tmp_path):
     ({}, ["--slurm-port-base", "0"], ["--slurm-port-base", "0"]),
     ({}, ["--slurm-port-base", "70000"], ["--slurm-port-base", "70000"]),
     ({"SLURM_PROCID": "1"}, ["--slurm-port-base", "65535"], ["port 65536", "--slurm-port-base"]),
+    # More GPUs in CUDA_VISIBLE_DEVICES than any test machine has: the task's share is not there.
+    ({"CUDA_VISIBLE_DEVICES": ",".join(map(str, range(64)))}, [], ["GPUs", "TensorFlow sees"]),
 ], ids=["batch-script-without-srun", "procid-not-a-number", "procid-too-big", "bad-nodelist", "bad-tasks-per-node",
-        "tasks-disagree", "port-base-0", "port-base-too-big", "port-past-65535"])
+        "tasks-disagree", "port-base-0", "port-base-too-big", "port-past-65535", "gpus-not-there"])
 def test_bad_slurm_step_is_refused_in_one_line(changes, flags, words, slurm_step, tmp_path, capsys):
     slurm_step(**changes)
     rc = train_mnist_mirrored.main(["--strategy", "multiworker", *flags, "--epochs", "1",

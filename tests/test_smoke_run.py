@@ -14,7 +14,8 @@ import tensorflow as tf
 
 import export
 import model
-from conftest import ROOT, SMOKE_BATCH, SMOKE_CPU_REPLICAS, SMOKE_EPOCHS, SMOKE_STEPS, NUM_TEST, subprocess_env
+from conftest import (ROOT, SMOKE_BATCH, SMOKE_CPU_REPLICAS, SMOKE_EPOCHS, SMOKE_STEPS, NUM_TEST, NUM_TRAIN,
+                      subprocess_env)
 
 
 # ---------------------------------------------------------------- 5. the run itself
@@ -22,6 +23,13 @@ from conftest import ROOT, SMOKE_BATCH, SMOKE_CPU_REPLICAS, SMOKE_EPOCHS, SMOKE_
 def test_smoke_run_exits_zero(smoke_run):
     assert smoke_run.returncode == 0, smoke_run.stderr[-4000:]
     assert "Traceback" not in smoke_run.stderr
+
+
+def test_smoke_run_shows_no_tensorflow_start_up_notices(smoke_run):
+    """TensorFlow 2.21 prints these from C++ at every start on a CPU machine, whatever TF_CPP_MIN_LOG_LEVEL says."""
+    for notice in ("All log messages before absl::InitializeLog()", "oneDNN custom operations are on",
+                   "Could not find cuda drivers", "failed call to cuInit"):
+        assert notice not in smoke_run.stderr, smoke_run.stderr[-4000:]
 
 
 def test_smoke_run_prints_device_count_matching_results(smoke_ok):
@@ -69,7 +77,7 @@ def _scalars(log_dir):
 
 
 def test_smoke_run_writes_tensorboard_scalars(smoke_ok):
-    files, scalars = _scalars(smoke_ok.path("logs"))
+    files, scalars = _scalars(smoke_ok.path("logs", "train"))
     assert files, "no TensorBoard event files under logs/"
     for tag in ("epoch_loss", "epoch_accuracy", "epoch_lr"):
         assert tag in scalars, sorted(scalars)
@@ -103,8 +111,63 @@ def test_smoke_run_results_json(smoke_ok):
     assert results["eval_accuracy_replicated"] == acc
     # The data is learnable (one bright block per class); even 3 steps beat chance (0.1) by far.
     assert 0.5 < acc <= 1.0
-    # results.json is also what the run printed last.
-    assert json.loads(smoke_ok.stdout[smoke_ok.stdout.rindex("\n{"):]) == results
+    # results.json is also what the run printed, last before the summary for people.
+    printed, end = json.JSONDecoder().raw_decode(smoke_ok.stdout, smoke_ok.stdout.rindex("\n{") + 1)
+    assert printed == results
+    assert smoke_ok.stdout[end:].lstrip().startswith("Summary")
+
+
+def test_smoke_run_ends_with_a_summary_in_the_tutorials_step_order(smoke_ok):
+    results = smoke_ok.results
+    summary = smoke_ok.stdout[smoke_ok.stdout.rindex("Summary"):]
+    lines = summary.strip().splitlines()
+    assert len(lines) <= 8, summary
+    assert re.findall(r"^  (\d)\. ", summary, re.M) == ["1", "2", "4", "5", "6"]
+    replicas = results["replicas"]
+    assert f"{replicas} replica{'s' if replicas > 1 else ''} in sync" in lines[1]
+    if SMOKE_CPU_REPLICAS:
+        assert "CPU:0, CPU:1" in lines[1]
+    assert f"{NUM_TRAIN:,} training and {NUM_TEST:,} test images" in lines[2]
+    assert f"of {SMOKE_EPOCHS} at {results['train_images_per_s']:,.0f} images/s, validated each epoch" in lines[3]
+    accuracies = re.findall(r"test accuracy (\d\.\d{4})|(\d\.\d{4}) in the strategy's scope", summary)
+    assert [float(a or b) for a, b in accuracies] == pytest.approx(
+        [results["eval_accuracy_checkpoint"], results["eval_accuracy_unreplicated"], results["eval_accuracy_replicated"]],
+        abs=5e-5)
+    # Every output is named where it went, and is there.
+    for name in ("logs", "training_checkpoints", "saved_model", "model.keras", "results.json"):
+        assert smoke_ok.path(name) in summary, name
+        assert os.path.exists(smoke_ok.path(name)), name
+
+
+# ---------------------------------------------------------------- --validation: a validation run in TensorBoard
+
+def _tensorboard_scalars(run_dir, tags):
+    """{tag: [(step, value)]} from one TensorBoard run, read by TensorBoard's own reader."""
+    from tensorboard.backend.event_processing import event_accumulator
+
+    reader = event_accumulator.EventAccumulator(run_dir)
+    reader.Reload()
+    assert set(tags) <= set(reader.Tags()["tensors"]), reader.Tags()
+    return {tag: [(e.step, float(tf.make_ndarray(e.tensor_proto))) for e in reader.Tensors(tag)] for tag in tags}
+
+
+def test_validation_writes_a_validation_run_beside_train(smoke_ok, mnist_arrays):
+    assert sorted(os.listdir(smoke_ok.path("logs"))) == ["train", "validation"]
+    validation = _tensorboard_scalars(smoke_ok.path("logs", "validation"), ("epoch_loss", "epoch_accuracy"))
+    for tag, points in validation.items():
+        assert [step for step, _ in points] == list(range(SMOKE_EPOCHS)), (tag, points)
+    # The last epoch's validation figures are the test split's, for the weights the last checkpoint holds.
+    net = model.build_model()
+    net.load_weights(tf.train.latest_checkpoint(smoke_ok.path("training_checkpoints"))).expect_partial()
+    images, labels = mnist_arrays["test"]
+    logits = net.predict(images[..., None].astype(np.float32) / 255.0, verbose=0)
+    loss = float(model.keras.losses.SparseCategoricalCrossentropy(from_logits=True)(labels, logits))
+    accuracy = float(np.mean(np.argmax(logits, axis=1) == labels))
+    assert validation["epoch_loss"][-1][1] == pytest.approx(loss, abs=1e-5)
+    assert validation["epoch_accuracy"][-1][1] == pytest.approx(accuracy, abs=1e-6)
+    assert accuracy == pytest.approx(smoke_ok.results["eval_accuracy_checkpoint"], abs=1e-6)
+    # The progress bar shows them too.
+    assert re.search(r" - val_loss: \d+\.\d+ - val_accuracy: \d\.\d+", smoke_ok.stdout), smoke_ok.stdout[-2000:]
 
 
 # ---------------------------------------------------------------- 2. global batch
@@ -163,6 +226,36 @@ def test_saved_model_serves_same_predictions_without_project_code(smoke_ok, test
     served = np.load(out_path)
     assert served.shape == checkpoint_predictions.shape == (len(test_images[0]), 10)
     np.testing.assert_allclose(served, checkpoint_predictions, atol=1e-5, rtol=0)
+
+
+KERAS3_SCRIPT = textwrap.dedent("""
+    import os, sys
+    import numpy as np
+    root, path, images_path, out_path = sys.argv[1:5]
+    assert not any(os.path.exists(p) and os.path.samefile(p, root) for p in sys.path if p), sys.path
+    import keras
+    assert keras.__version__.startswith("3."), keras.__version__
+    net = keras.saving.load_model(path)
+    np.save(out_path, net.predict(np.load(images_path), verbose=0))
+    for name in ("tf_keras", "model", "export", "callbacks", "data"):
+        assert name not in sys.modules, name
+""")
+
+
+def test_model_keras_loads_in_keras_3_and_predicts_like_the_checkpoint(smoke_ok, test_images, checkpoint_predictions,
+                                                                       tmp_path):
+    # Written beside saved_model/, under a temporary name that does not stay behind.
+    assert sorted(os.listdir(smoke_ok.output_dir)) == [
+        "logs", "model.keras", "results.json", "saved_model", "training_checkpoints"]
+    images_path, out_path = tmp_path / "images.npy", tmp_path / "logits.npy"
+    np.save(images_path, test_images[0])
+    proc = subprocess.run([sys.executable, "-c", KERAS3_SCRIPT, ROOT, smoke_ok.path("model.keras"),
+                           str(images_path), str(out_path)],
+                          cwd=tmp_path, env=subprocess_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    predicted = np.load(out_path)
+    assert predicted.shape == checkpoint_predictions.shape == (len(test_images[0]), 10)
+    np.testing.assert_allclose(predicted, checkpoint_predictions, atol=1e-5, rtol=0)
 
 
 def test_saved_model_cli_shows_serving_default(smoke_ok, tmp_path):

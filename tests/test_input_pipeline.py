@@ -1,0 +1,83 @@
+"""Step 2's input path: the resident splits are tfds's examples in tfds's order, and the batches gathered from
+them by shuffled indices are the batches of the tutorial's per-example shuffle with the same seed."""
+
+import os
+import shutil
+
+import numpy as np
+import pytest
+import tensorflow as tf
+import tensorflow_datasets as tfds
+
+import data
+import train_mnist_mirrored
+from conftest import NUM_TEST, NUM_TRAIN, smoke_args
+
+BUFFER = 100  # smaller than the split, so the shuffle's buffer matters as it does on MNIST (10,000 of 60,000)
+BATCH = 24  # NUM_TRAIN is not a multiple of it: every epoch ends with a short batch
+SEED = 5
+
+
+@pytest.fixture(scope="module")
+def loaded(data_dir):
+    datasets, info = data.load(data_dir)
+    return datasets, info, {split: data.resident_split(info, split) for split in ("train", "test")}
+
+
+@pytest.mark.parametrize("split, count", [("train", NUM_TRAIN), ("test", NUM_TEST)])
+def test_resident_split_is_tfds_load_in_the_same_order(loaded, split, count):
+    datasets, _, arrays = loaded
+    images, labels = arrays[split]
+    assert images.dtype == tf.uint8 and tuple(images.shape) == (count, 28, 28, 1)
+    assert labels.dtype == tf.int64 and tuple(labels.shape) == (count,)
+    expected = list(tfds.as_numpy(datasets[split]))
+    np.testing.assert_array_equal(images.numpy(), np.stack([image for image, _ in expected]))
+    np.testing.assert_array_equal(labels.numpy(), np.array([label for _, label in expected]))
+
+
+def _tutorial_epoch(datasets, epoch, steps):
+    """One epoch as the tutorial's per-example pipeline gives it, seeded as the project seeds each epoch."""
+    examples = datasets["train"].map(data.scale).shuffle(BUFFER, seed=SEED + epoch, reshuffle_each_iteration=False)
+    return list(tfds.as_numpy(examples.batch(BATCH).take(steps)))
+
+
+@pytest.mark.parametrize("first_epoch", [0, 2])
+def test_gathered_batches_equal_the_per_example_shuffle(loaded, first_epoch):
+    datasets, _, arrays = loaded
+    epochs, steps = 4, data.steps_per_epoch(NUM_TRAIN, BATCH)
+    stream = data.train_dataset(*arrays["train"], buffer_size=BUFFER, global_batch=BATCH, seed=SEED,
+                                first_epoch=first_epoch, epochs=epochs, steps=steps)
+    got = list(tfds.as_numpy(stream.take((epochs - first_epoch) * steps)))
+    expected = [batch for epoch in range(first_epoch, epochs) for batch in _tutorial_epoch(datasets, epoch, steps)]
+    assert len(got) == len(expected)
+    assert len(got[steps - 1][1]) == NUM_TRAIN % BATCH  # the short last batch of an epoch is kept, as batch() does
+    for (got_images, got_labels), (images, labels) in zip(got, expected):
+        assert got_images.dtype == np.float32 and got_images.max() <= 1.0
+        np.testing.assert_array_equal(got_labels, labels)
+        np.testing.assert_array_equal(got_images, images)
+    # Epochs differ from each other: each is shuffled with its own seed.
+    assert not np.array_equal(got[0][1], got[steps][1])
+
+
+def test_eval_batches_are_the_test_split_in_order(loaded):
+    datasets, _, arrays = loaded
+    got = list(tfds.as_numpy(data.eval_dataset(*arrays["test"], global_batch=BATCH)))
+    expected = list(tfds.as_numpy(datasets["test"].map(data.scale).batch(BATCH)))
+    assert len(got) == len(expected)
+    for (got_images, got_labels), (images, labels) in zip(got, expected):
+        np.testing.assert_array_equal(got_images, images)
+        np.testing.assert_array_equal(got_labels, labels)
+
+
+def test_a_corrupt_record_file_is_a_clean_error(data_dir, tmp_path, monkeypatch, capsys):
+    monkeypatch.delenv("TF_CONFIG", raising=False)
+    broken = tmp_path / "tfds"
+    shutil.copytree(data_dir, broken)
+    (record,) = [os.path.join(d, f) for d, _, files in os.walk(broken) for f in files if "train.tfrecord" in f]
+    with open(record, "r+b") as f:
+        f.truncate(os.path.getsize(record) // 2)  # a copy cut short, as by a full disk
+    rc = train_mnist_mirrored.main(smoke_args(str(broken), str(tmp_path / "out")))
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2
+    assert len(err) == 1 and err[0].startswith("error:") and "cannot be read" in err[0] and "prepare" in err[0], err
+    assert not (tmp_path / "out").exists()
