@@ -15,8 +15,7 @@ import pytest
 import callbacks
 import data
 from config import EXIT_PREEMPTED
-from conftest import ROOT, final_weights, subprocess_env
-from test_multireplica import _free_ports
+from conftest import ROOT, final_weights, free_ports, subprocess_env
 
 EPOCHS = 3
 BATCH = 8
@@ -131,7 +130,7 @@ def test_sigkill_mid_epoch_resumes_at_the_last_backup_bit_identical(tmp_path, re
 
 
 def test_sigterm_to_one_of_two_workers_stops_both_with_143(tmp_path, resume_data_dir):
-    cluster = {"worker": [f"127.0.0.1:{port}" for port in _free_ports(2)]}
+    cluster = {"worker": [f"127.0.0.1:{port}" for port in free_ports(2)]}
     output_dir = str(tmp_path / "out")
 
     def start_workers():
