@@ -12,7 +12,7 @@ import config
 import train_mnist_mirrored
 from conftest import Worker, assert_one_port_warning, finish, free_ports, smoke_args
 
-CHIEF_OUTPUTS = ["logs", "results.json", "saved_model", "training_checkpoints"]
+CHIEF_OUTPUTS = ["logs", "model.keras", "results.json", "saved_model", "training_checkpoints"]
 
 
 def _results(output_dir):
