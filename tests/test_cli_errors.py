@@ -38,7 +38,10 @@ def quick_args(tmp_path):
     (["--batch-size-per-replica", "0"], ["--batch-size-per-replica"]),
     (["--cpu-replicas", "-1"], ["--cpu-replicas"]),
     (["--cpu-replicas", "999"], ["--cpu-replicas", "999"]),
-], ids=["epochs0", "epochs-1", "batch0", "cpu-replicas-1", "cpu-replicas999"])
+    (["--backup-every-steps", "0"], ["--backup-every-steps"]),
+    # A backup falls between two calls of steps_per_execution steps; the fix names the nearest multiple.
+    (["--backup-every-steps", "120", "--steps-per-execution", "50"], ["--backup-every-steps", "multiple", "100"]),
+], ids=["epochs0", "epochs-1", "batch0", "cpu-replicas-1", "cpu-replicas999", "backup-steps0", "backup-steps-not-multiple"])
 def test_bad_numbers_are_refused(flags, words, quick_args, tmp_path, capsys):
     rc = train_mnist_mirrored.main(quick_args(*flags))
     line = _one_error_line(capsys)
