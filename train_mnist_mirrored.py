@@ -24,7 +24,7 @@ from config import EXIT_BAD_INPUT, EXIT_INTERRUPTED, EXIT_OK, UsageError
 def cross_device_ops(cfg, tf):
     """MirroredStrategy's all-reduce; None lets TensorFlow choose (NCCL between GPUs, else reduce-to-one).
 
-    The other two are the maintainers' answer where NCCL is missing (Windows) or hangs (IOMMU on).
+    The other two avoid NCCL where it is missing (Windows) or hangs (IOMMU on); README, "The all-reduce".
     """
     choices = {"nccl": tf.distribute.NcclAllReduce, "hierarchical-copy": tf.distribute.HierarchicalCopyAllReduce,
                "reduce-to-one": tf.distribute.ReductionToOneDevice}
@@ -39,7 +39,7 @@ def communication_options(cfg, tf):
 
 
 def refuse_nccl_without_gpus(cfg, tf):
-    """NCCL only moves tensors between GPUs; asked to reduce CPU tensors it fails mid-step instead of now."""
+    """NCCL only moves tensors between GPUs; on CPU tensors it would fail once training starts, not now."""
     flag = ("--cross-device-ops" if cfg.cross_device_ops == "nccl"
             else "--communication" if cfg.communication == "nccl" else None)
     if flag is None:
