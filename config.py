@@ -34,6 +34,10 @@ STRATEGIES = ("mirrored", "multiworker", "default")
 # What srun sets for each task of a job step, and TensorFlow's SlurmClusterResolver reads.
 SLURM_STEP_VARS = ("SLURM_PROCID", "SLURM_STEP_NUM_TASKS", "SLURM_STEP_NODELIST", "SLURM_STEP_TASKS_PER_NODE")
 MAX_PORT = 65535
+# MirroredStrategy's all-reduce (tf.distribute.NcclAllReduce, HierarchicalCopyAllReduce, ReductionToOneDevice).
+CROSS_DEVICE_OPS = ("nccl", "hierarchical-copy", "reduce-to-one")
+# MultiWorkerMirroredStrategy's collectives (tf.distribute.experimental.CommunicationImplementation).
+COMMUNICATIONS = ("auto", "ring", "nccl")
 
 
 def _option(default, help_text, **extra):
@@ -60,6 +64,15 @@ class Config:
     # Schedulers: TF_CONFIG (Kubeflow's TFJob writes it) wins; without it, srun's variables describe the cluster.
     slurm_port_base: int = _option(8888, "under srun without TF_CONFIG: the port of each node's first worker; "
                                          "the node's next workers take the ports after it (TensorFlow's default 8888)")
+
+    # A multi-GPU box: the tutorial's learning-rate advice, the all-reduce, precision and memory (README,
+    # "On a multi-GPU box"). Each default keeps the tutorial's behaviour.
+    scale_lr: bool = _option(False, "linear scaling rule: multiply every learning rate by global batch / 64 (the tutorial's batch)")
+    warmup_epochs: int = _option(0, "with --scale-lr, ramp the learning rate per step from the unscaled to the scaled value over this many epochs")
+    cross_device_ops: typing.Optional[str] = _option(None, "MirroredStrategy's all-reduce; unset lets TensorFlow choose (NCCL between GPUs, reduce-to-one otherwise)", choices=CROSS_DEVICE_OPS)
+    communication: typing.Optional[str] = _option(None, "MultiWorkerMirroredStrategy's collective implementation; unset means auto", choices=COMMUNICATIONS)
+    mixed_precision: bool = _option(False, "Keras's mixed_float16 policy (float16 compute, float32 weights, loss scaling); for GPUs, slow on CPUs")
+    gpu_memory_growth: bool = _option(False, "let TensorFlow take GPU memory as it needs it instead of nearly all at start (for GPUs shared with other jobs)")
 
     # Faults and reproducibility.
     seed: int = _option(42, "seed for Python, NumPy, TensorFlow and the shuffle")
@@ -132,6 +145,19 @@ def validate(cfg):
         raise UsageError("--devices is empty; name devices like /gpu:0,/gpu:1 or leave it out")
     if not 1 <= cfg.slurm_port_base <= MAX_PORT:
         raise UsageError(f"--slurm-port-base must be a port number, 1-{MAX_PORT}, got {cfg.slurm_port_base}")
+    if cfg.warmup_epochs < 0:
+        raise UsageError(f"--warmup-epochs must be 0 (off) or a positive count, got {cfg.warmup_epochs}")
+    if cfg.warmup_epochs and not cfg.scale_lr:
+        raise UsageError("--warmup-epochs ramps up to the --scale-lr learning rate; add --scale-lr or drop --warmup-epochs")
+    if cfg.cross_device_ops and cfg.strategy != "mirrored":
+        raise UsageError(f"--cross-device-ops works with --strategy mirrored only; "
+                         f"{'use --communication for multiworker' if cfg.strategy == 'multiworker' else 'drop it'}")
+    if cfg.communication and cfg.strategy != "multiworker":
+        raise UsageError(f"--communication works with --strategy multiworker only; "
+                         f"{'use --cross-device-ops for mirrored' if cfg.strategy == 'mirrored' else 'drop it'}")
+    if cfg.cross_device_ops == "nccl" and cfg.cpu_replicas:
+        raise UsageError("--cross-device-ops nccl all-reduces between GPUs, but --cpu-replicas mirrors CPUs; "
+                         "use reduce-to-one or hierarchical-copy with --cpu-replicas")
     if cfg.strategy == "multiworker":
         if os.environ.get("TF_CONFIG") or not in_slurm(os.environ):
             parse_tf_config(os.environ.get("TF_CONFIG"))

@@ -1,6 +1,7 @@
 """Tutorial step 2: MNIST through tensorflow_datasets, scaled to [0, 1], shuffled and batched.
 
-`tfds.load('mnist', ...)` is the only way the pipeline reads MNIST. For machines without internet,
+MNIST comes only from tfds's prepared `mnist` (found and checked by `tfds.load`, its record files then read
+once into memory by `resident_split`). For machines without internet,
 `python data.py prepare --idx-dir DIR [--data-dir DIR]` turns the four standard IDX files into a prepared
 tfds data dir with tfds's own builder (so tfds writes, versions and names the files), after which
 `tfds.load('mnist', data_dir=DIR)` reads it with no network access.

@@ -79,8 +79,44 @@ def start_tensorflow(verbose):
 
 # ---------------------------------------------------------------- step 1: the strategy
 
+def cross_device_ops(cfg, tf):
+    """MirroredStrategy's all-reduce; None lets TensorFlow choose (NCCL between GPUs, else reduce-to-one).
+
+    The other two avoid NCCL where it is missing (Windows) or hangs (IOMMU on); README, "The all-reduce".
+    """
+    choices = {"nccl": tf.distribute.NcclAllReduce, "hierarchical-copy": tf.distribute.HierarchicalCopyAllReduce,
+               "reduce-to-one": tf.distribute.ReductionToOneDevice}
+    return choices[cfg.cross_device_ops]() if cfg.cross_device_ops else None
+
+
+def communication_options(cfg, tf):
+    """MultiWorkerMirroredStrategy's collective options; AUTO (TensorFlow's choice) when unset."""
+    implementation = tf.distribute.experimental.CommunicationImplementation
+    choices = {"auto": implementation.AUTO, "ring": implementation.RING, "nccl": implementation.NCCL}
+    return tf.distribute.experimental.CommunicationOptions(implementation=choices[cfg.communication or "auto"])
+
+
+def refuse_nccl_without_gpus(cfg, tf):
+    """NCCL only moves tensors between GPUs; on CPU tensors it would fail once training starts, not now."""
+    flag = ("--cross-device-ops" if cfg.cross_device_ops == "nccl"
+            else "--communication" if cfg.communication == "nccl" else None)
+    if flag is None:
+        return
+    others = "hierarchical-copy or reduce-to-one" if flag == "--cross-device-ops" else "ring or auto"
+    if not tf.config.list_physical_devices("GPU"):
+        raise UsageError(f"{flag} nccl all-reduces between GPUs and this machine has none; use {others}")
+    not_gpus = [d for d in cfg.device_list or [] if tf.DeviceSpec.from_string(d).device_type != "GPU"]
+    if not_gpus:
+        raise UsageError(f"{flag} nccl all-reduces between GPUs, but --devices names {', '.join(not_gpus)}; "
+                         f"name GPUs only, or use {others}")
+
+
 def make_strategy(cfg, tf):
-    """Logical CPU devices must be set before TensorFlow's runtime starts, hence first of all."""
+    """Logical CPU devices and GPU memory growth must be set before TensorFlow's runtime starts, hence first of all."""
+    refuse_nccl_without_gpus(cfg, tf)
+    if cfg.gpu_memory_growth:
+        for gpu in tf.config.list_physical_devices("GPU"):
+            tf.config.experimental.set_memory_growth(gpu, True)
     if cfg.cpu_replicas:
         cpu = tf.config.list_physical_devices("CPU")[0]
         tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * cfg.cpu_replicas)
@@ -88,7 +124,8 @@ def make_strategy(cfg, tf):
         resolver = cluster_resolver(cfg, tf)
         warn_open_port(resolver)
         # TF 2.0's tf.distribute.experimental.MultiWorkerMirroredStrategy.
-        return tf.distribute.MultiWorkerMirroredStrategy(cluster_resolver=resolver)
+        return tf.distribute.MultiWorkerMirroredStrategy(cluster_resolver=resolver,
+                                                         communication_options=communication_options(cfg, tf))
     if cfg.strategy == "default":
         return tf.distribute.get_strategy()
     if cfg.device_list:
@@ -99,7 +136,7 @@ def make_strategy(cfg, tf):
         if missing:
             raise UsageError(f"--devices names {', '.join(missing)}, which this machine does not have; "
                              f"choose from {', '.join(sorted(known))}")
-    return tf.distribute.MirroredStrategy(devices=cfg.device_list)
+    return tf.distribute.MirroredStrategy(devices=cfg.device_list, cross_device_ops=cross_device_ops(cfg, tf))
 
 
 def cluster_resolver(cfg, tf):
@@ -244,7 +281,7 @@ def run(cfg):
     import callbacks
     import data
     import export
-    from model import build_model, compile_model, keras
+    from model import build_model, compile_model, keras, use_mixed_precision
 
     # From here on SIGTERM saves and stops training at the next step boundary, or ends the run at once when
     # it is not training (exit 143 either way).
@@ -280,9 +317,12 @@ def run(cfg):
     test = data.eval_dataset(*arrays["test"], global_batch=global_batch)
 
     # Step 3: the model, inside the strategy's scope.
+    if cfg.mixed_precision:
+        use_mixed_precision()
+    learning_rate = callbacks.learning_rate(cfg, global_batch=global_batch, steps_per_epoch=steps)
     with strategy.scope():
         model = compile_model(build_model(), steps_per_execution=cfg.steps_per_execution,
-                              jit_compile=cfg.jit_compile, fused_adam=cfg.fused_adam)
+                              jit_compile=cfg.jit_compile, fused_adam=cfg.fused_adam, learning_rate=learning_rate)
 
     # Step 4: training. A resumed run starts at the step after the last one backed up.
     first_global_step, last_global_step = first_epoch * steps + first_step, cfg.epochs * steps
@@ -331,6 +371,12 @@ def run(cfg):
         "eval_accuracy_unreplicated": float(accuracy_unreplicated),
         "eval_accuracy_replicated": float(accuracy_replicated),
         "seed": cfg.seed,
+        "learning_rate_scale": callbacks.learning_rate_scale(global_batch, cfg.scale_lr),
+        "warmup_epochs": cfg.warmup_epochs,
+        "cross_device_ops": cfg.cross_device_ops or "default",
+        "communication": cfg.communication or "default",
+        "mixed_precision": cfg.mixed_precision,
+        "gpu_memory_growth": cfg.gpu_memory_growth,
     }
     if is_chief:
         write_json(cfg.path(cfg.results_file), results)

@@ -1,14 +1,18 @@
-"""Spec items 8 (training part), 10, 11: the entrypoint's one-line refusals, run in-process."""
+"""Spec items 8 (training part), 10, 11: the entrypoint's one-line refusals, run in-process (in a process of its
+own where the test must hide the GPUs)."""
 
 import json
 import os
 import shutil
+import subprocess
+import sys
 
 import pytest
 
 import data
 import train_mnist_mirrored
-from conftest import smoke_args
+from config import EXIT_BAD_INPUT
+from conftest import ROOT, smoke_args, subprocess_env
 
 CLOSED_PORT = ("127.0.0.1", 9)  # discard port; nothing listens there on a test machine
 
@@ -38,7 +42,10 @@ def quick_args(tmp_path):
     (["--batch-size-per-replica", "0"], ["--batch-size-per-replica"]),
     (["--cpu-replicas", "-1"], ["--cpu-replicas"]),
     (["--cpu-replicas", "999"], ["--cpu-replicas", "999"]),
-], ids=["epochs0", "epochs-1", "batch0", "cpu-replicas-1", "cpu-replicas999"])
+    (["--backup-every-steps", "0"], ["--backup-every-steps"]),
+    # A backup falls between two calls of steps_per_execution steps; the fix names the nearest multiple.
+    (["--backup-every-steps", "120", "--steps-per-execution", "50"], ["--backup-every-steps", "multiple", "100"]),
+], ids=["epochs0", "epochs-1", "batch0", "cpu-replicas-1", "cpu-replicas999", "backup-steps0", "backup-steps-not-multiple"])
 def test_bad_numbers_are_refused(flags, words, quick_args, tmp_path, capsys):
     rc = train_mnist_mirrored.main(quick_args(*flags))
     line = _one_error_line(capsys)
@@ -46,6 +53,45 @@ def test_bad_numbers_are_refused(flags, words, quick_args, tmp_path, capsys):
     for word in words:
         assert word in line
     assert not (tmp_path / "out").exists()  # refused before anything is written
+
+
+@pytest.mark.parametrize("flags, words", [
+    (["--warmup-epochs", "2"], ["--warmup-epochs", "--scale-lr"]),
+    (["--warmup-epochs", "-1", "--scale-lr"], ["--warmup-epochs", "-1"]),
+    (["--cross-device-ops", "reduce-to-one", "--strategy", "default"], ["--cross-device-ops", "mirrored"]),
+    (["--communication", "ring"], ["--communication", "multiworker", "--cross-device-ops"]),
+    (["--cross-device-ops", "nccl", "--cpu-replicas", "2"], ["nccl", "--cpu-replicas", "reduce-to-one"]),
+], ids=["warmup-without-scale", "warmup-1", "cross-device-ops-not-mirrored", "communication-not-multiworker",
+        "nccl-on-cpu-replicas"])
+def test_option_combinations_are_refused(flags, words, quick_args, tmp_path, monkeypatch, capsys):
+    monkeypatch.delenv("TF_CONFIG", raising=False)
+    rc = train_mnist_mirrored.main(quick_args(*flags))
+    line = _one_error_line(capsys)
+    assert rc == EXIT_BAD_INPUT
+    for word in words:
+        assert word in line
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("flags, words", [
+    (["--cross-device-ops", "nccl"], ["--cross-device-ops nccl", "GPU", "reduce-to-one"]),
+    (["--strategy", "multiworker", "--communication", "nccl"], ["--communication nccl", "GPU", "ring"]),
+], ids=["mirrored", "multiworker"])
+def test_nccl_without_gpus_is_refused(flags, words, quick_args, tmp_path):
+    """Checked where TensorFlow knows the devices, before the strategy exists and before any output.
+
+    A real process with every GPU hidden, so the machine has none whether or not the test host has some.
+    """
+    env = {**subprocess_env(), "CUDA_VISIBLE_DEVICES": "",
+           "TF_CONFIG": json.dumps({"cluster": {"worker": ["127.0.0.1:12345"]}, "task": {"type": "worker", "index": 0}})}
+    proc = subprocess.run([sys.executable, "train_mnist_mirrored.py", *quick_args(*flags)], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert proc.returncode == EXIT_BAD_INPUT, proc.stderr[-3000:]
+    assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    for word in words:
+        assert word in lines[0]
+    assert not (tmp_path / "out").exists()
 
 
 def test_output_dir_that_is_a_file_is_refused_and_untouched(quick_args, tmp_path, capsys):

@@ -1,4 +1,5 @@
-"""Real cross-replica training: two logical CPU replicas average gradients, two workers train over TF_CONFIG."""
+"""Real cross-replica training: two logical CPU replicas average gradients (with each all-reduce that runs on
+CPUs), two workers train over TF_CONFIG."""
 
 import json
 import os
@@ -20,6 +21,11 @@ ONE_STEP_SCRIPT = textwrap.dedent("""
     two = make_strategy(Config(cpu_replicas=2), tf)      # the project's own --cpu-replicas 2 path
     one = tf.distribute.MirroredStrategy(["/cpu:0"])
     assert two.num_replicas_in_sync == 2 and one.num_replicas_in_sync == 1
+    # --cross-device-ops on the same two logical CPUs (the devices exist now, so name them).
+    two_by = {name: make_strategy(Config(devices="/cpu:0,/cpu:1", cross_device_ops=name), tf)
+              for name in ("reduce-to-one", "hierarchical-copy")}
+    assert type(two_by["reduce-to-one"].extended._cross_device_ops).__name__ == "ReductionToOneDevice"
+    assert type(two_by["hierarchical-copy"].extended._cross_device_ops).__name__ == "HierarchicalCopyAllReduce"
 
     rng = np.random.default_rng(0)
     x = rng.random((32, 28, 28, 1), dtype=np.float32)
@@ -43,6 +49,7 @@ ONE_STEP_SCRIPT = textwrap.dedent("""
         "sgd_one_double_rate": one_step(one, keras.optimizers.SGD, 1.0),
         "adam_one": one_step(one, keras.optimizers.Adam, 1e-3),
         "adam_two": one_step(two, keras.optimizers.Adam, 1e-3),
+        **{f"sgd_two_{name}": one_step(strategy, keras.optimizers.SGD, 0.5) for name, strategy in two_by.items()},
     }
     json.dump(out, open(sys.argv[1], "w"))
 """)
@@ -67,12 +74,15 @@ def test_two_replicas_average_gradients_like_one(tmp_path):
     # ...while summed gradients would equal a one-replica step at twice the rate, which is far away.
     assert _max_abs_diff(w["sgd_two"], w["sgd_one_double_rate"]) > 100 * _max_abs_diff(w["sgd_one"], w["sgd_two"])
     assert _max_abs_diff(w["adam_one"], w["adam_two"]) < 1e-5
+    # Each all-reduce that runs on CPUs gives TensorFlow's default step.
+    for name in ("reduce-to-one", "hierarchical-copy"):
+        assert _max_abs_diff(w["sgd_two"], w[f"sgd_two_{name}"]) < 1e-5, name
 
 
 def test_two_workers_on_loopback(tmp_path, data_dir):
     cluster = {"worker": [f"127.0.0.1:{port}" for port in free_ports(2)]}
     output_dir = str(tmp_path / "out")
-    workers = [Worker(["--strategy", "multiworker", *smoke_args(data_dir, output_dir)],
+    workers = [Worker(["--strategy", "multiworker", "--communication", "ring", *smoke_args(data_dir, output_dir)],
                       {"TF_CONFIG": json.dumps({"cluster": cluster, "task": {"type": "worker", "index": index}})},
                       tmp_path, f"tmp{index}")
                for index in range(2)]
@@ -83,6 +93,7 @@ def test_two_workers_on_loopback(tmp_path, data_dir):
 
     results = json.loads(open(os.path.join(output_dir, "results.json")).read())
     assert results["replicas"] == 2 and results["strategy"] == "multiworker"
+    assert results["communication"] == "ring" and results["cross_device_ops"] == "default"
     assert results["eval_accuracy_checkpoint"] == results["eval_accuracy_unreplicated"] == results["eval_accuracy_replicated"]
     # Only the chief's outputs are in --output-dir: no worker's temporary copies, and no backup once finished.
     assert sorted(os.listdir(output_dir)) == ["logs", "model.keras", "results.json", "saved_model", "training_checkpoints"]
