@@ -41,22 +41,24 @@ def _tutorial_epoch(datasets, epoch, steps):
     return list(tfds.as_numpy(examples.batch(BATCH).take(steps)))
 
 
-@pytest.mark.parametrize("first_epoch", [0, 2])
-def test_gathered_batches_equal_the_per_example_shuffle(loaded, first_epoch):
+@pytest.mark.parametrize("first_epoch, first_step", [(0, 0), (2, 0), (1, 5)], ids=["fresh", "epoch", "mid-epoch"])
+def test_gathered_batches_equal_the_per_example_shuffle(loaded, first_epoch, first_step):
     datasets, _, arrays = loaded
     epochs, steps = 4, data.steps_per_epoch(NUM_TRAIN, BATCH)
     stream = data.train_dataset(*arrays["train"], buffer_size=BUFFER, global_batch=BATCH, seed=SEED,
-                                first_epoch=first_epoch, epochs=epochs, steps=steps)
-    got = list(tfds.as_numpy(stream.take((epochs - first_epoch) * steps)))
+                                first_epoch=first_epoch, first_step=first_step, epochs=epochs, steps=steps)
+    got = list(tfds.as_numpy(stream.take((epochs - first_epoch) * steps - first_step)))
+    # A resumed stream is the uninterrupted one from its resume step on.
     expected = [batch for epoch in range(first_epoch, epochs) for batch in _tutorial_epoch(datasets, epoch, steps)]
+    expected = expected[first_step:]
     assert len(got) == len(expected)
-    assert len(got[steps - 1][1]) == NUM_TRAIN % BATCH  # the short last batch of an epoch is kept, as batch() does
+    assert len(got[steps - 1 - first_step][1]) == NUM_TRAIN % BATCH  # an epoch's short last batch is kept
     for (got_images, got_labels), (images, labels) in zip(got, expected):
         assert got_images.dtype == np.float32 and got_images.max() <= 1.0
         np.testing.assert_array_equal(got_labels, labels)
         np.testing.assert_array_equal(got_images, images)
     # Epochs differ from each other: each is shuffled with its own seed.
-    assert not np.array_equal(got[0][1], got[steps][1])
+    assert not np.array_equal(got[0][1], got[steps - first_step][1])
 
 
 def test_eval_batches_are_the_test_split_in_order(loaded):
