@@ -215,15 +215,19 @@ SERVE_SCRIPT = textwrap.dedent("""
 """)
 
 
-def test_saved_model_serves_same_predictions_without_project_code(smoke_ok, test_images, checkpoint_predictions,
-                                                                  tmp_path):
+def _predict_in_fresh_process(script, model_path, images, tmp_path):
+    """Logits from `script` run in a fresh process, outside the project's folder, on `images`."""
     images_path, out_path = tmp_path / "images.npy", tmp_path / "logits.npy"
-    np.save(images_path, test_images[0])
-    proc = subprocess.run([sys.executable, "-c", SERVE_SCRIPT, ROOT, smoke_ok.path("saved_model"),
-                           str(images_path), str(out_path)],
+    np.save(images_path, images)
+    proc = subprocess.run([sys.executable, "-c", script, ROOT, model_path, str(images_path), str(out_path)],
                           cwd=tmp_path, env=subprocess_env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    served = np.load(out_path)
+    return np.load(out_path)
+
+
+def test_saved_model_serves_same_predictions_without_project_code(smoke_ok, test_images, checkpoint_predictions,
+                                                                  tmp_path):
+    served = _predict_in_fresh_process(SERVE_SCRIPT, smoke_ok.path("saved_model"), test_images[0], tmp_path)
     assert served.shape == checkpoint_predictions.shape == (len(test_images[0]), 10)
     np.testing.assert_allclose(served, checkpoint_predictions, atol=1e-5, rtol=0)
 
@@ -247,13 +251,7 @@ def test_model_keras_loads_in_keras_3_and_predicts_like_the_checkpoint(smoke_ok,
     # Written beside saved_model/, under a temporary name that does not stay behind.
     assert sorted(os.listdir(smoke_ok.output_dir)) == [
         "logs", "model.keras", "results.json", "saved_model", "training_checkpoints"]
-    images_path, out_path = tmp_path / "images.npy", tmp_path / "logits.npy"
-    np.save(images_path, test_images[0])
-    proc = subprocess.run([sys.executable, "-c", KERAS3_SCRIPT, ROOT, smoke_ok.path("model.keras"),
-                           str(images_path), str(out_path)],
-                          cwd=tmp_path, env=subprocess_env(), capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    predicted = np.load(out_path)
+    predicted = _predict_in_fresh_process(KERAS3_SCRIPT, smoke_ok.path("model.keras"), test_images[0], tmp_path)
     assert predicted.shape == checkpoint_predictions.shape == (len(test_images[0]), 10)
     np.testing.assert_allclose(predicted, checkpoint_predictions, atol=1e-5, rtol=0)
 
