@@ -311,9 +311,9 @@ def run(cfg):
     num_train = info.splits["train"].num_examples
     steps = data.steps_per_epoch(num_train, global_batch, cfg.steps_per_epoch)
     first_epoch, first_step = callbacks.backed_up_position(backup_dir, steps)
-    train = data.train_dataset(
+    train = data.distribute(strategy, data.train_dataset(
         *arrays["train"], buffer_size=cfg.buffer_size, global_batch=global_batch, seed=cfg.seed,
-        first_epoch=first_epoch, first_step=first_step, epochs=cfg.epochs, steps=steps)
+        first_epoch=first_epoch, first_step=first_step, epochs=cfg.epochs, steps=steps))
     test = data.eval_dataset(*arrays["test"], global_batch=global_batch)
 
     # Step 3: the model, inside the strategy's scope.

@@ -47,11 +47,13 @@ RATES = ("images_per_s", "images_per_cpu_s")  # wall time (what a user waits for
 BASELINES = ("ceiling", "tutorial")
 
 # Each variant is the project's default run with one change undone (or, for jit_compile, one more tried):
-# config fields to replace, and whether the input path is the previous one or has tf.data's autotuner on.
+# config fields to replace, whether the input path is the previous one or has tf.data's autotuner on, and
+# whether a single replica reads its batches directly (data.distribute) or through Keras's multi-device iterator.
 VARIANTS = {
     "project": {},
     "tfds_stream": {"input": "tfds_stream"},
     "autotune": {"input": "autotune"},
+    "multi_device_iterator": {"distribute": False},
     "steps_per_execution_1": {"config": {"steps_per_execution": 1}},
     "keras_adam": {"config": {"fused_adam": False}},
     "jit_compile": {"config": {"jit_compile": True}},
@@ -133,6 +135,8 @@ def project_round(datasets, info, cfg, strategy, epochs, work_dir, variant):
         options = tf.data.Options()
         options.autotune.enabled = True
         train = train.with_options(options)
+    if variant.get("distribute", True):
+        train = data.distribute(strategy, train)
     with strategy.scope():
         model = compile_model(build_model(), steps_per_execution=cfg.steps_per_execution,
                               jit_compile=cfg.jit_compile, fused_adam=cfg.fused_adam)
