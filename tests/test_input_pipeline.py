@@ -61,6 +61,28 @@ def test_gathered_batches_equal_the_per_example_shuffle(loaded, first_epoch, fir
     assert not np.array_equal(got[0][1], got[steps - first_step][1])
 
 
+def test_one_replica_gets_the_same_batches_without_the_multi_device_iterator(loaded):
+    _, _, arrays = loaded
+    steps = data.steps_per_epoch(NUM_TRAIN, BATCH)
+
+    def stream():
+        return data.train_dataset(*arrays["train"], buffer_size=BUFFER, global_batch=BATCH, seed=SEED,
+                                  first_epoch=0, first_step=0, epochs=2, steps=steps)
+
+    strategy = tf.distribute.MirroredStrategy(["/cpu:0"])
+    distributed = data.distribute(strategy, stream())
+    assert isinstance(distributed, tf.distribute.DistributedDataset)
+    iterator = iter(distributed)
+    # The strategy's per-replica input reads the dataset itself: no multi-device iterator (whose device-side
+    # autotuner stalled the end of `fit`) stands between them.
+    assert "MultiDevice" not in type(iterator._iterators[0]._iterator).__name__
+    expected = list(tfds.as_numpy(stream().take(2 * steps)))
+    for images, labels in expected:
+        got_images, got_labels = next(iterator)
+        np.testing.assert_array_equal(got_images.numpy(), images)
+        np.testing.assert_array_equal(got_labels.numpy(), labels)
+
+
 def test_eval_batches_are_the_test_split_in_order(loaded):
     datasets, _, arrays = loaded
     got = list(tfds.as_numpy(data.eval_dataset(*arrays["test"], global_batch=BATCH)))
