@@ -24,13 +24,17 @@ import pytest
 
 PROGRAMS = ("munged", "slurmctld", "slurmd", "sbatch", "srun", "scontrol", "scancel", "squeue")
 PACKAGES = "slurmctld slurmd slurm-client munge"
+# What each node says it has (SlurmdParameters=config_overrides): enough for deploy/slurm.sbatch's
+# --cpus-per-task as written, whatever the machine has. Nothing binds tasks to CPUs (task/none).
+NODE_CPUS = 8
 START_SECONDS = 60  # daemons up and the nodes idle; about 2 s here
 STOP_SECONDS = 20
 FINAL_STATES = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "PREEMPTED",
                 "BOOT_FAIL", "DEADLINE"}
-# srun's own lines for a task that ended badly; a task that exits 0 gets none.
-TASK_EXITED = re.compile(r"task (\d+): Exited with exit code (\d+)")
-TASK_KILLED = re.compile(r"task (\d+): Killed")
+# srun's own lines for tasks that ended badly, one line for the tasks that ended alike at once ("tasks 0-1",
+# "tasks 0,2-3"); a task that exits 0 gets none.
+TASK_EXITED = re.compile(r"tasks? ([\d,-]+): Exited with exit code (\d+)")
+TASK_KILLED = re.compile(r"tasks? ([\d,-]+): Killed")
 
 SLURM_CONF = """\
 ClusterName=mnisttest
@@ -51,7 +55,7 @@ AccountingStorageType=accounting_storage/none
 MpiDefault=none
 MailProg=/bin/true
 ReturnToService=2
-# The nodes' CPUs are as configured, whatever the machine has.
+# The nodes have the CPUs configured below, whatever the machine has.
 SlurmdParameters=config_overrides
 # Seconds between a cancelled job's SIGTERM and its SIGKILL (default 30), so a hung test ends sooner.
 KillWait=5
@@ -69,6 +73,15 @@ def skip_unless_ci(reason):
     if in_ci():
         pytest.fail(f"{reason}, and CI must run this test (.ci/run installs {PACKAGES})")
     pytest.skip(reason)
+
+
+def started(kind, *args, **kwargs):
+    """kind(*args, **kwargs): daemons or namespaces started, or the test skipped (failed in CI) with the
+    reason they did not start."""
+    try:
+        return kind(*args, **kwargs)
+    except (RuntimeError, subprocess.CalledProcessError) as err:
+        skip_unless_ci(f"{kind.__name__} did not start: {getattr(err, 'stderr', None) or err}")
 
 
 def unavailable():
@@ -125,7 +138,7 @@ class SlurmCluster:
                                 f"--log-file={self.folder}/logs/munged.log"])
         self._wait_until(lambda: os.path.exists(self.munge_socket), "munged's socket")
 
-        nodes = "\n".join(f"NodeName={n.name} NodeAddr={n.address} Port={n.port} CPUs=2 State=UNKNOWN"
+        nodes = "\n".join(f"NodeName={n.name} NodeAddr={n.address} Port={n.port} CPUs={NODE_CPUS} State=UNKNOWN"
                           for n in self.nodes)
         with open(self.conf, "w") as f:
             f.write(SLURM_CONF.format(controller=self.nodes[0].address, controller_port=self.controller_port,
@@ -136,9 +149,9 @@ class SlurmCluster:
         self._wait_until(self._all_idle, "every node idle")
 
     def _daemon(self, name, command):
+        env = {k: v for k, v in os.environ.items() if k != "SLURM_CONF"}  # they are given -f
         with open(os.path.join(self.folder, "logs", name + ".log"), "w") as log:
-            proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=self.env,
-                                    start_new_session=True)
+            proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         self._daemons.append((name, proc))
 
     def _wait_until(self, ready, what):
@@ -170,8 +183,6 @@ class SlurmCluster:
             deadline = time.monotonic() + STOP_SECONDS
             while self.client("squeue", "-h", check=False).stdout.strip() and time.monotonic() < deadline:
                 time.sleep(0.2)
-        for pid in self._leftover_tasks():
-            os.kill(pid, signal.SIGKILL)
         for _, proc in reversed(self._daemons):
             if proc.poll() is None:
                 proc.terminate()
@@ -182,14 +193,20 @@ class SlurmCluster:
                 proc.kill()
                 proc.wait()
         self._daemons = []
+        for pid in self._leftover_tasks():
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
         shutil.rmtree(self.munge_folder, ignore_errors=True)
 
     def _leftover_tasks(self):
-        """Processes started by this cluster's jobs that outlived them: a job's environment names our slurm.conf."""
+        """Processes started by this cluster's jobs that outlived them: a job's environment names our slurm.conf
+        (sbatch passes on the submitter's), the daemons' does not."""
         marker = f"SLURM_CONF={self.conf}".encode()
-        pids, daemons = [], {proc.pid for _, proc in self._daemons} | {os.getpid()}
+        pids = []
         for entry in os.listdir("/proc"):
-            if entry.isdigit() and int(entry) not in daemons:
+            if entry.isdigit() and int(entry) != os.getpid():
                 try:
                     with open(f"/proc/{entry}/environ", "rb") as f:
                         if marker in f.read().split(b"\0"):
@@ -258,8 +275,58 @@ class SlurmCluster:
         return pids
 
 
+def watch(cluster, job_id, since, timeout, fail_on=None):
+    """Waits for the job's end, noting when srun reports each task's exit; returns (scontrol's fields, output,
+    {task: (status, seconds from `since` until srun reported it)}). Fails at once if `fail_on` is printed."""
+    deadline, seen = time.monotonic() + timeout, {}
+    while True:
+        job = cluster.job(job_id)
+        output = read_output(job)
+        if fail_on and fail_on in output:
+            raise AssertionError(f"job {job_id} printed {fail_on!r}:\n{output[-3000:]}")
+        now = time.monotonic()
+        for task, status in task_exits(output).items():
+            seen.setdefault(task, (status, round(now - since, 2)))
+        if job["JobState"] in FINAL_STATES:
+            return job, output, seen
+        if now > deadline:
+            raise AssertionError(f"job {job_id} still {job['JobState']} after {timeout} s:\n{output[-3000:]}")
+        time.sleep(0.1)
+
+
+def wait_for_text(cluster, job_id, text, timeout):
+    """Waits until the job's output holds `text`; fails if the job ends first."""
+    deadline = time.monotonic() + timeout
+    while True:
+        job = cluster.job(job_id)
+        output = read_output(job)
+        if text in output:
+            return
+        if job["JobState"] in FINAL_STATES or time.monotonic() > deadline:
+            raise AssertionError(f"job {job_id} {job['JobState']} without {text!r}:\n{output[-3000:]}")
+        time.sleep(0.1)
+
+
+def read_output(job):
+    """The job's output file: the batch script's, with every task's stdout and stderr and srun's own lines."""
+    try:
+        with open(job["StdOut"], errors="replace") as f:
+            return f.read()
+    except FileNotFoundError:
+        return ""
+
+
 def task_exits(output):
     """{task: exit status} from srun's lines in a job's output; a task killed by a signal is "Killed"."""
-    exits = {int(t): int(code) for t, code in TASK_EXITED.findall(output)}
-    exits.update({int(t): "Killed" for t in TASK_KILLED.findall(output)})
+    exits = {task: int(code) for tasks, code in TASK_EXITED.findall(output) for task in _task_ids(tasks)}
+    exits.update({task: "Killed" for tasks in TASK_KILLED.findall(output) for task in _task_ids(tasks)})
     return exits
+
+
+def _task_ids(text):
+    """srun's task list, e.g. "0-1" or "0,2-3", as numbers."""
+    ids = []
+    for part in text.split(","):
+        first, _, last = part.partition("-")
+        ids += range(int(first), int(last or first) + 1)
+    return ids
