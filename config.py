@@ -40,57 +40,62 @@ CROSS_DEVICE_OPS = ("nccl", "hierarchical-copy", "reduce-to-one")
 COMMUNICATIONS = ("auto", "ring", "nccl")
 
 
-def _option(default, help_text, **extra):
-    return dataclasses.field(default=default, metadata={"help": help_text, **extra})
+def _option(default, help_text, group, **extra):
+    return dataclasses.field(default=default, metadata={"help": help_text, "group": group, **extra})
+
+
+# The sections of --help, in this order (argparse argument groups).
+TRAINING = "training (the tutorial's settings)"
+DATA = "data"
+CLUSTER = "distribution and cluster"
+MULTI_GPU = "multi-GPU (docs/multi-gpu.md)"
+FAULTS = "faults and resume"
+SPEED = "speed (each default is the fastest measured)"
+OUTPUT = "output"
 
 
 @dataclasses.dataclass(frozen=True)
 class Config:
-    # Tutorial settings.
-    epochs: int = _option(12, "number of epochs to train")
-    batch_size_per_replica: int = _option(64, "batch size on each replica; the global batch is this times the replica count")
-    buffer_size: int = _option(10000, "shuffle buffer size, in examples")
-    data_dir: typing.Optional[str] = _option(None, "tfds data dir; unset means tfds's own, ~/tensorflow_datasets")
-    idx_dir: typing.Optional[str] = _option(None, "offline: if --data-dir holds no prepared mnist, prepare it first from the four MNIST IDX files here")
-    output_dir: str = _option(".", "where training_checkpoints/, logs/, saved_model/, model.keras and results.json are written")
-    steps_per_epoch: typing.Optional[int] = _option(None, "train at most this many steps each epoch (for quick smoke runs)")
+    epochs: int = _option(12, "number of epochs to train", TRAINING)
+    batch_size_per_replica: int = _option(64, "batch size on each replica; the global batch is this times the replica count", TRAINING)
+    steps_per_epoch: typing.Optional[int] = _option(None, "train at most this many steps each epoch (for quick smoke runs)", TRAINING)
 
-    # Distribution.
+    data_dir: typing.Optional[str] = _option(None, "tfds data dir; unset means tfds's own, ~/tensorflow_datasets", DATA)
+    idx_dir: typing.Optional[str] = _option(None, "offline: if --data-dir holds no prepared mnist, prepare it first from the four MNIST IDX files here", DATA)
+    buffer_size: int = _option(10000, "shuffle buffer size, in examples", DATA)
+
     strategy: str = _option("mirrored", "distribution strategy; multiworker reads the cluster from TF_CONFIG or, "
-                                        "without it, from Slurm's srun variables", choices=STRATEGIES)
-    cpu_replicas: int = _option(0, "split the host CPU into N logical devices and mirror across them (0: off)")
-    devices: typing.Optional[str] = _option(None, "comma-separated devices to mirror across, e.g. /gpu:0,/gpu:1; unset means all GPUs")
-
+                                        "without it, from Slurm's srun variables", CLUSTER, choices=STRATEGIES)
+    cpu_replicas: int = _option(0, "split the host CPU into N logical devices and mirror across them (0: off)", CLUSTER)
+    devices: typing.Optional[str] = _option(None, "comma-separated devices to mirror across, e.g. /gpu:0,/gpu:1; unset means all GPUs", CLUSTER)
     # Schedulers: TF_CONFIG (Kubeflow's TFJob writes it) wins; without it, srun's variables describe the cluster.
     slurm_port_base: int = _option(8888, "under srun without TF_CONFIG: the port of each node's first worker; "
-                                         "the node's next workers take the ports after it (TensorFlow's default 8888)")
+                                         "the node's next workers take the ports after it (TensorFlow's default 8888)", CLUSTER)
 
-    # A multi-GPU box: the tutorial's learning-rate advice, the all-reduce, precision and memory (README,
-    # "On a multi-GPU box"). Each default keeps the tutorial's behaviour.
-    scale_lr: bool = _option(False, "linear scaling rule: multiply every learning rate by global batch / 64 (the tutorial's batch)")
-    warmup_epochs: int = _option(0, "with --scale-lr, ramp the learning rate per step from the unscaled to the scaled value over this many epochs")
-    cross_device_ops: typing.Optional[str] = _option(None, "MirroredStrategy's all-reduce; unset lets TensorFlow choose (NCCL between GPUs, reduce-to-one otherwise)", choices=CROSS_DEVICE_OPS)
-    communication: typing.Optional[str] = _option(None, "MultiWorkerMirroredStrategy's collective implementation; unset means auto", choices=COMMUNICATIONS)
-    mixed_precision: bool = _option(False, "Keras's mixed_float16 policy (float16 compute, float32 weights, loss scaling); for GPUs, slow on CPUs")
-    gpu_memory_growth: bool = _option(False, "let TensorFlow take GPU memory as it needs it instead of nearly all at start (for GPUs shared with other jobs)")
+    # The tutorial's learning-rate advice, the all-reduce, precision and memory. Each default keeps the
+    # tutorial's behaviour.
+    scale_lr: bool = _option(False, "linear scaling rule: multiply every learning rate by global batch / 64 (the tutorial's batch)", MULTI_GPU)
+    warmup_epochs: int = _option(0, "with --scale-lr, ramp the learning rate per step from the unscaled to the scaled value over this many epochs", MULTI_GPU)
+    cross_device_ops: typing.Optional[str] = _option(None, "MirroredStrategy's all-reduce; unset lets TensorFlow choose (NCCL between GPUs, reduce-to-one otherwise)", MULTI_GPU, choices=CROSS_DEVICE_OPS)
+    communication: typing.Optional[str] = _option(None, "MultiWorkerMirroredStrategy's collective implementation; unset means auto", MULTI_GPU, choices=COMMUNICATIONS)
+    mixed_precision: bool = _option(False, "Keras's mixed_float16 policy (float16 compute, float32 weights, loss scaling); for GPUs, slow on CPUs", MULTI_GPU)
+    gpu_memory_growth: bool = _option(False, "let TensorFlow take GPU memory as it needs it instead of nearly all at start (for GPUs shared with other jobs)", MULTI_GPU)
 
-    # Faults and reproducibility.
-    seed: int = _option(42, "seed for Python, NumPy, TensorFlow and the shuffle")
-    deterministic: bool = _option(False, "enable TensorFlow op determinism (bit-identical reruns, slower)")
-    overwrite: bool = _option(False, "start afresh, replacing a finished or unfinished run already in --output-dir")
+    seed: int = _option(42, "seed for Python, NumPy, TensorFlow and the shuffle", FAULTS)
     backup_every_steps: typing.Optional[int] = _option(
         None, "also back up every N training steps, so a killed run resumes at a step rather than an epoch; "
-              "N must be a multiple of --steps-per-execution (unset: at each epoch's end only)")
+              "N must be a multiple of --steps-per-execution (unset: at each epoch's end only)", FAULTS)
+    deterministic: bool = _option(False, "enable TensorFlow op determinism (bit-identical reruns, slower)", FAULTS)
 
-    # Speed: each default is the fastest measured value (README, "Speed").
-    steps_per_execution: int = _option(50, "train steps run inside one tf.function call")
-    fused_adam: bool = _option(True, "Adam through TensorFlow's fused kernel (keras.optimizers.legacy.Adam): same update, fewer ops")
-    jit_compile: bool = _option(False, "compile the train step with XLA")
+    steps_per_execution: int = _option(50, "train steps run inside one tf.function call", SPEED)
+    fused_adam: bool = _option(True, "Adam through TensorFlow's fused kernel (keras.optimizers.legacy.Adam): same update, fewer ops", SPEED)
+    jit_compile: bool = _option(False, "compile the train step with XLA", SPEED)
 
-    # What a run shows.
+    output_dir: str = _option(".", "where training_checkpoints/, logs/, saved_model/, model.keras and results.json are written", OUTPUT)
+    overwrite: bool = _option(False, "start afresh, replacing a finished or unfinished run already in --output-dir", OUTPUT)
     validation: bool = _option(False, "also evaluate on the test split at each epoch's end: val_ figures in the progress "
-                                      "bar and a validation run beside train in TensorBoard")
-    verbose: bool = _option(False, "show TensorFlow's C++ start-up notices (oneDNN, CUDA probing), which are held back otherwise")
+                                      "bar and a validation run beside train in TensorBoard", OUTPUT)
+    verbose: bool = _option(False, "show TensorFlow's C++ start-up notices (oneDNN, CUDA probing), which are held back otherwise", OUTPUT)
 
     # The tutorial's schedule: 1e-3 for epochs 0-2, 1e-4 for 3-6, 1e-5 after.
     lr_boundaries: tuple = (3, 7)
@@ -203,7 +208,7 @@ def parse_slurm(environ):
     TensorFlow's SlurmClusterResolver reads the same variables; checking them here reports a mistake before
     TensorFlow starts. It checks the host and tasks-per-node lists itself, when the strategy is made.
     """
-    fix = "start one task per worker with srun inside the job (README, \"Slurm\"), or set TF_CONFIG"
+    fix = "start one task per worker with srun inside the job (docs/clusters.md, \"Slurm\"), or set TF_CONFIG"
     missing = [name for name in SLURM_STEP_VARS if not environ.get(name)]
     if missing:
         raise UsageError(f"{', '.join(missing)} not set: this Slurm job's workers were not started by srun; {fix}")
@@ -237,19 +242,22 @@ def _check_output_dir(path):
 
 
 def build_parser(prog, description):
-    parser = argparse.ArgumentParser(prog=prog, description=description,
+    parser = argparse.ArgumentParser(prog=prog, description=description, usage="%(prog)s [options]",
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     hints = typing.get_type_hints(Config)
+    groups = {}
     for field in dataclasses.fields(Config):
         if "help" not in field.metadata:
             continue
+        title = field.metadata["group"]
+        group = groups.get(title) or groups.setdefault(title, parser.add_argument_group(title))
         flag = "--" + field.name.replace("_", "-")
         kind = hints[field.name]
         if kind is bool:
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=field.default, help=field.metadata["help"])
+            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=field.default, help=field.metadata["help"])
             continue
         base = typing.get_args(kind)[0] if typing.get_origin(kind) is typing.Union else kind
-        parser.add_argument(flag, type=base, default=field.default, help=field.metadata["help"],
+        group.add_argument(flag, type=base, default=field.default, help=field.metadata["help"],
                             choices=field.metadata.get("choices"))
     return parser
 

@@ -1,6 +1,6 @@
 """Tutorial step 2: MNIST through tensorflow_datasets, scaled to [0, 1], shuffled and batched.
 
-MNIST comes only from tfds's prepared `mnist` (found and checked by `tfds.load`, its record files then read
+MNIST comes only from tfds's prepared `mnist` (found and checked by tfds's builder, its record files then read
 once into memory by `resident_split`). For machines without internet,
 `python data.py prepare --idx-dir DIR [--data-dir DIR]` turns the four standard IDX files into a prepared
 tfds data dir with tfds's own builder (so tfds writes, versions and names the files), after which
@@ -160,7 +160,8 @@ def _online():
 
 
 def load(data_dir=None, idx_dir=None):
-    """Tutorial: `tfds.load('mnist', with_info=True, as_supervised=True)`; fails fast offline.
+    """Tutorial: `tfds.load('mnist', with_info=True)`, for its DatasetInfo only: the run reads the record files
+    itself (resident_split), so it never builds tfds's datasets. Fails fast offline.
 
     With `idx_dir`, a data dir that holds no prepared mnist is prepared from the IDX files first.
     """
@@ -175,10 +176,12 @@ def load(data_dir=None, idx_dir=None):
                              f"run: {PREPARE_HINT} --data-dir {data_dir or '~/tensorflow_datasets'}, "
                              "or pass --idx-dir DIR_WITH_IDX_FILES")
     try:
-        datasets, info = tfds.load("mnist", data_dir=data_dir, with_info=True, as_supervised=True)
+        # download_and_prepare does nothing for a prepared dir, and downloads (as tfds.load does) otherwise.
+        builder = tfds.builder("mnist", data_dir=data_dir)
+        builder.download_and_prepare()
+        return builder.info
     except (OSError, ValueError, AssertionError, tf.errors.OpError) as err:
         raise _unreadable(data_dir or builder.data_dir, type(err).__name__) from None
-    return datasets, info
 
 
 def resident_split(info, split):
@@ -265,7 +268,7 @@ def distribute(strategy, dataset):
     Keras hands a plain dataset to the strategy's multi-device iterator, which copies each batch to its
     replica's device from a background thread through a device-side pipeline of tf.data's default options.
     Its autotuner thread ignores the iterator's teardown until its next tuning round: `fit` returned up to
-    6.5 s after its last epoch, in 2 of 4 runs of 3 epochs (README, "Speed"); evaluation's short-lived
+    6.5 s after its last epoch, in 2 of 4 runs of 3 epochs (docs/performance.md); evaluation's short-lived
     iterators are left to Keras, which also wants a step count for anything else. A single replica of
     MirroredStrategy has nothing to split, so it reads the dataset as it is, through the strategy's own
     per-replica input (no fetch to a device, no autotuner), one batch read ahead. Several replicas or
@@ -311,6 +314,12 @@ def train_dataset(images, labels, *, buffer_size, global_batch, seed, first_epoc
 def eval_dataset(images, labels, *, global_batch):
     indices = tf.data.Dataset.range(int(images.shape[0])).batch(global_batch)
     return for_distribution(_batches(images, labels, indices))
+
+
+def tfds_datasets(data_dir=None):
+    """tfds's own per-example datasets, as the tutorial's `tfds.load('mnist', as_supervised=True)` gives them;
+    for the benchmark's baseline and the tests that compare against it, not the run."""
+    return tfds.load("mnist", data_dir=data_dir, as_supervised=True)
 
 
 def tutorial_datasets(datasets, *, buffer_size, global_batch):

@@ -7,74 +7,20 @@ exported and reloaded without and with the strategy's scope, both evaluated, and
 Figures go to results.json; a short summary for people follows them.
 """
 
-import contextlib
 import json
 import os
-import re
-import shutil
 import sys
-import tempfile
 import time
 
 # TensorFlow's C++ INFO and WARNING lines once it runs (input-pipeline notices); errors still show. This does
-# not reach the notices TensorFlow prints while it starts: see start_tensorflow.
+# not reach the notices TensorFlow prints while it starts: see terminal.start_tensorflow.
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
+import cluster
 import config
+import outputs
+import terminal
 from config import EXIT_BAD_INPUT, EXIT_INTERRUPTED, EXIT_OK, EXIT_PEER_LOST, EXIT_PREEMPTED, Preempted, UsageError
-
-
-# ---------------------------------------------------------------- TensorFlow's start-up
-
-# Lines TensorFlow 2.21 prints from C++ while it loads and probes for GPUs, before its logging is set up, so
-# TF_CPP_MIN_LOG_LEVEL does not reach them: notices nobody can act on. --verbose shows them.
-STARTUP_NOTICES = (
-    "WARNING: All log messages before absl::InitializeLog() is called are written to STDERR",
-    "] oneDNN custom operations are on.",
-    "] Could not find cuda drivers on your machine, GPU will not be used.",
-)
-NO_CUDA_DRIVER = STARTUP_NOTICES[2]
-# Without any CUDA driver (the notice above) this failure follows as a matter of course; with a driver it is
-# a real error, and shown.
-CUINIT_FAILED = "] failed call to cuInit:"
-
-
-def without_startup_notices(lines):
-    no_driver = any(NO_CUDA_DRIVER in line for line in lines)
-    return [line for line in lines
-            if not any(notice in line for notice in STARTUP_NOTICES) and not (no_driver and CUINIT_FAILED in line)]
-
-
-@contextlib.contextmanager
-def startup_output_held(verbose):
-    """Holds back what reaches file descriptor 2 (C++ and Python alike) while the block runs, then shows it
-    without TensorFlow's start-up notices: all of it with `verbose`, or when the block fails."""
-    sys.stderr.flush()
-    saved = os.dup(2)
-    held = tempfile.TemporaryFile()
-    failed = True
-    try:
-        os.dup2(held.fileno(), 2)
-        yield
-        failed = False
-    finally:
-        sys.stderr.flush()
-        os.dup2(saved, 2)
-        os.close(saved)
-        held.seek(0)
-        lines = held.read().decode(errors="replace").splitlines(keepends=True)
-        held.close()
-        sys.stderr.write("".join(lines if verbose or failed else without_startup_notices(lines)))
-        sys.stderr.flush()
-
-
-def start_tensorflow(verbose):
-    """Imports TensorFlow and lets it probe for GPUs, which is where CUDA reports, its notices held back."""
-    with startup_output_held(verbose):
-        import tensorflow as tf
-
-        tf.config.list_physical_devices()
-    return tf
 
 
 # ---------------------------------------------------------------- step 1: the strategy
@@ -82,7 +28,7 @@ def start_tensorflow(verbose):
 def cross_device_ops(cfg, tf):
     """MirroredStrategy's all-reduce; None lets TensorFlow choose (NCCL between GPUs, else reduce-to-one).
 
-    The other two avoid NCCL where it is missing (Windows) or hangs (IOMMU on); README, "The all-reduce".
+    The other two avoid NCCL where it is missing (Windows) or hangs (IOMMU on); docs/multi-gpu.md, "The all-reduce".
     """
     choices = {"nccl": tf.distribute.NcclAllReduce, "hierarchical-copy": tf.distribute.HierarchicalCopyAllReduce,
                "reduce-to-one": tf.distribute.ReductionToOneDevice}
@@ -121,8 +67,8 @@ def make_strategy(cfg, tf):
         cpu = tf.config.list_physical_devices("CPU")[0]
         tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * cfg.cpu_replicas)
     if cfg.strategy == "multiworker":
-        resolver = cluster_resolver(cfg, tf)
-        warn_open_port(resolver)
+        resolver = cluster.cluster_resolver(cfg, tf)
+        cluster.warn_open_port(resolver)
         # TF 2.0's tf.distribute.experimental.MultiWorkerMirroredStrategy.
         return tf.distribute.MultiWorkerMirroredStrategy(cluster_resolver=resolver,
                                                          communication_options=communication_options(cfg, tf))
@@ -139,140 +85,28 @@ def make_strategy(cfg, tf):
     return tf.distribute.MirroredStrategy(devices=cfg.device_list, cross_device_ops=cross_device_ops(cfg, tf))
 
 
-def cluster_resolver(cfg, tf):
-    """TF_CONFIG when it is set (Kubeflow's TFJob writes it, chief included), else the Slurm job step's variables."""
-    if os.environ.get("TF_CONFIG"):
-        return tf.distribute.cluster_resolver.TFConfigClusterResolver()
-    try:
-        if slurm_node_has_gpus():
-            # TensorFlow's resolver counts the node's GPUs and gives each task its share in CUDA_VISIBLE_DEVICES.
-            slurm = tf.distribute.cluster_resolver.SlurmClusterResolver(port_base=cfg.slurm_port_base)
-            slurm.cluster_spec()
-            show_only_gpus(os.environ["CUDA_VISIBLE_DEVICES"], tf)
-            return slurm
-        # Told "no GPUs", TensorFlow's resolver lists no tasks at all (it hands out one port per GPU share), so
-        # give it one share per task, keep its cluster and task, and tell the strategy there are no GPUs.
-        tasks = int(os.environ["SLURM_STEP_NUM_TASKS"])
-        slurm = tf.distribute.cluster_resolver.SlurmClusterResolver(
-            port_base=cfg.slurm_port_base, gpus_per_node=tasks, gpus_per_task=1, auto_set_gpu=False)
-        cluster = slurm.cluster_spec()
-        task_type, task_id = slurm.get_task_info()
-        return tf.distribute.cluster_resolver.SimpleClusterResolver(
-            cluster, task_type=task_type, task_id=task_id, rpc_layer=slurm.rpc_layer, num_accelerators={"GPU": 0})
-    except (ValueError, RuntimeError) as err:
-        # TensorFlow's resolver raises these for host or tasks-per-node lists it cannot read, or that disagree.
-        raise UsageError(f"the Slurm variables do not describe this job step ({err}); start one task per worker "
-                         "with srun inside the job (README, \"Slurm\"), or set TF_CONFIG") from None
-
-
-def show_only_gpus(share, tf):
-    """CUDA reads CUDA_VISIBLE_DEVICES once, and start_tensorflow has already probed the GPUs, so the resolver's
-    share (indices among the GPUs this process sees) becomes TensorFlow's visible devices instead."""
-    gpus = tf.config.list_physical_devices("GPU")
-    indices = [int(i) for i in share.split(",")]
-    if max(indices) >= len(gpus):
-        raise UsageError(f"Slurm's task was given GPUs {share}, but TensorFlow sees {len(gpus)} GPUs here; "
-                         "give each task at least one GPU of its node, or run on nodes without GPUs")
-    tf.config.set_visible_devices([gpus[i] for i in indices], "GPU")
-
-
-def slurm_node_has_gpus():
-    """Whether TensorFlow's own GPU count can run here: it reads CUDA_VISIBLE_DEVICES (Slurm sets it for GPU
-    jobs), else asks nvidia-smi, which a machine without GPUs lacks (FileNotFoundError)."""
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if visible is not None:
-        return visible.strip() not in ("", "-1")  # both mean "no GPUs" to CUDA
-    return shutil.which("nvidia-smi") is not None
-
-
-def warn_open_port(resolver):
-    """TensorFlow's gRPC server binds every interface, whatever host the cluster names, and checks no identity."""
-    task_type, task_id = resolver.task_type, resolver.task_id
-    address = resolver.cluster_spec().task_address(task_type, task_id)
-    port = int(address.rsplit(":", 1)[1])
-    if not 1 <= port <= config.MAX_PORT:
-        raise UsageError(f"{task_type} {task_id} would listen on port {port}, which does not exist; "
-                         "choose a lower --slurm-port-base, or fix the ports in TF_CONFIG")
-    print(f"warning: {task_type} {task_id} listens on port {port} on every network interface, unauthenticated "
-          "(TensorFlow's gRPC server); run multi-worker training only on a trusted network or behind a firewall "
-          "(README, \"Open ports\")", file=sys.stderr, flush=True)
-
-
-def device_names(strategy):
-    return list(getattr(strategy.extended, "worker_devices", ["/cpu:0"]))
-
-
-# ---------------------------------------------------------------- outputs: fresh, resumed or refused
-
-def refuse_finished_run(cfg):
-    """A finished run's outputs are never mixed with a new run's, unless --overwrite says to replace them."""
-    if os.path.exists(cfg.path(cfg.results_file)) and not cfg.overwrite:
-        raise UsageError(f"{cfg.output_dir} already holds a finished run ({cfg.results_file}); "
-                         "pass --overwrite to replace it, or choose another --output-dir")
-
-
-def clear_outputs(cfg):
-    """Removes earlier outputs, unless an unfinished run's backup is there to resume from (and no --overwrite)."""
-    unfinished = os.path.isdir(cfg.path(cfg.backup_dir)) and not os.path.exists(cfg.path(cfg.results_file))
-    if unfinished and not cfg.overwrite:
-        return
-    for name in (cfg.checkpoint_dir, cfg.log_dir, cfg.backup_dir, cfg.results_file):
-        path = cfg.path(name)
-        if os.path.isdir(path):
-            shutil.rmtree(path)
-        elif os.path.exists(path):
-            os.remove(path)
-
-
-def write_json(path, payload):
-    partial = path + ".partial"
-    with open(partial, "w") as f:
-        json.dump(payload, f, indent=2)
-        f.write("\n")
-    os.replace(partial, path)
-
-
-# ---------------------------------------------------------------- the summary for people
-
-def short_device(name):
-    return name.rsplit("/device:", 1)[-1]
-
-
-def trained_line(results):
-    first, epochs, steps = results["resumed_from_step"], results["epochs"], results["steps_per_epoch"]
-    if first >= epochs * steps:
-        return f"all {epochs} epochs were in the backup; nothing left to train"
-    epoch = first // steps + 1
-    done = f"epochs {epoch}-{epochs}" if epoch < epochs else f"epoch {epochs}"
-    resumed = f"resumed at epoch {epoch}, step {first % steps}: " if first else ""
-    return f"{resumed}{done} of {epochs} at {results['train_images_per_s']:,.0f} images/s"
-
-
-def summary(cfg, results, *, num_train, num_test, is_chief):
-    """A few lines for people, after the JSON for programs, in the order of the tutorial's steps."""
-    replicas = results["replicas"]
-    validation = ", validated each epoch" if cfg.validation else ""
-    lines = [
-        "Summary, in the tutorial's steps:",
-        f"  1. strategy  {results['strategy']}: {replicas} replica{'s' * (replicas != 1)} in sync "
-        f"on {', '.join(map(short_device, results['devices']))}",
-        f"  2. data      MNIST: {num_train:,} training and {num_test:,} test images, global batch "
-        f"{results['global_batch_size']}, {results['steps_per_epoch']} steps an epoch",
-        f"  4. training  {trained_line(results)}{validation}; tensorboard --logdir {cfg.path(cfg.log_dir)}",
-        f"  5. restore   latest checkpoint in {cfg.path(cfg.checkpoint_dir)}: "
-        f"test accuracy {results['eval_accuracy_checkpoint']:.4f}",
-        f"  6. export    {cfg.path(cfg.saved_model_dir)} reloaded: test accuracy "
-        f"{results['eval_accuracy_unreplicated']:.4f}, {results['eval_accuracy_replicated']:.4f} in the strategy's "
-        f"scope; Keras 3 file {cfg.path(cfg.keras_model_file)}",
-        f"  figures      {cfg.path(cfg.results_file)}" + ("" if is_chief else " (written by the chief)"),
-    ]
-    return "\n".join(lines)
-
-
 # ---------------------------------------------------------------- the run
 
+def fit(cfg, model, train, test, *, steps, first_epoch, work_dir, preemption):
+    """Step 4's `fit` with the tutorial's callbacks and the backup; returns its wall seconds."""
+    import callbacks
+
+    cbs = callbacks.make_callbacks(cfg, log_dir=os.path.join(work_dir, cfg.log_dir),
+                                   checkpoint_dir=cfg.path(cfg.checkpoint_dir), backup_dir=cfg.path(cfg.backup_dir),
+                                   steps_per_epoch=steps, preemption=preemption)
+    start = time.perf_counter()
+    # Keras's BackupAndRestore restores the same position from the same backup; initial_epoch only says so.
+    # With --validation, Keras evaluates the test split at each epoch's end; TensorBoard's callback writes
+    # those figures to a `validation` run beside `train`.
+    model.fit(train, epochs=cfg.epochs, initial_epoch=first_epoch, steps_per_epoch=steps, callbacks=cbs,
+              validation_data=test if cfg.validation else None)
+    return time.perf_counter() - start
+
+
 def run(cfg):
-    tf = start_tensorflow(cfg.verbose)
+    tf = terminal.start_tensorflow(cfg.verbose)
+
+    # Step 1: the strategy.
     strategy = make_strategy(cfg, tf)
     print(f"Number of devices: {strategy.num_replicas_in_sync}")
 
@@ -291,32 +125,22 @@ def run(cfg):
     if cfg.deterministic:
         tf.config.experimental.enable_op_determinism()
 
-    # Keras's ModelCheckpoint and BackupAndRestore themselves send a non-chief's writes to a temporary folder.
-    checkpoint_dir = cfg.path(cfg.checkpoint_dir)
-    backup_dir = cfg.path(cfg.backup_dir)
-
     # Step 2: the data, read before any output is touched so that a bad --data-dir changes nothing. Both splits
-    # are held in memory (47 MB) and batches gathered from there: the tutorial's per-example stream cost most of
-    # the first epoch (README, "Speed").
-    _, info = data.load(cfg.data_dir, cfg.idx_dir)
-    arrays = {split: data.resident_split(info, split) for split in ("train", "test")}
-
-    # Only the chief writes where the user asked; other workers write to a folder they remove at the end.
+    # are held in memory (47 MB) and batches gathered from there (docs/performance.md).
+    info = data.load(cfg.data_dir, cfg.idx_dir)
+    (train_images, train_labels), test_split = (data.resident_split(info, split) for split in ("train", "test"))
     is_chief = strategy.extended.should_checkpoint
-    if is_chief:
-        clear_outputs(cfg)
-    os.makedirs(cfg.output_dir, exist_ok=True)
-    work_dir = cfg.output_dir if is_chief else tempfile.mkdtemp(prefix="mnist-worker-")
+    work_dir = outputs.work_dir(cfg, is_chief)
     global_batch = cfg.batch_size_per_replica * strategy.num_replicas_in_sync
     num_train = info.splits["train"].num_examples
     steps = data.steps_per_epoch(num_train, global_batch, cfg.steps_per_epoch)
-    first_epoch, first_step = callbacks.backed_up_position(backup_dir, steps)
+    first_epoch, first_step = callbacks.backed_up_position(cfg.path(cfg.backup_dir), steps)
     train = data.distribute(strategy, data.train_dataset(
-        *arrays["train"], buffer_size=cfg.buffer_size, global_batch=global_batch, seed=cfg.seed,
+        train_images, train_labels, buffer_size=cfg.buffer_size, global_batch=global_batch, seed=cfg.seed,
         first_epoch=first_epoch, first_step=first_step, epochs=cfg.epochs, steps=steps))
-    test = data.eval_dataset(*arrays["test"], global_batch=global_batch)
+    test = data.eval_dataset(*test_split, global_batch=global_batch)
 
-    # Step 3: the model, inside the strategy's scope.
+    # Step 3: the model, compiled inside the strategy's scope.
     if cfg.mixed_precision:
         use_mixed_precision()
     learning_rate = callbacks.learning_rate(cfg, global_batch=global_batch, steps_per_epoch=steps)
@@ -324,28 +148,22 @@ def run(cfg):
         model = compile_model(build_model(), steps_per_execution=cfg.steps_per_execution,
                               jit_compile=cfg.jit_compile, fused_adam=cfg.fused_adam, learning_rate=learning_rate)
 
-    # Step 4: training. A resumed run starts at the step after the last one backed up.
+    # Step 4: training, from the step after the last one backed up.
     first_global_step, last_global_step = first_epoch * steps + first_step, cfg.epochs * steps
     if first_global_step:
-        print(f"Resuming from the backup in {backup_dir} at epoch {first_epoch + 1}, step {first_step}")
-    train_seconds, train_images = 0.0, 0
+        print(f"Resuming from the backup in {cfg.path(cfg.backup_dir)} at epoch {first_epoch + 1}, step {first_step}")
+    train_seconds, trained = 0.0, 0
     if first_global_step < last_global_step:
-        cbs = callbacks.make_callbacks(cfg, log_dir=os.path.join(work_dir, cfg.log_dir), checkpoint_dir=checkpoint_dir,
-                                       backup_dir=backup_dir, steps_per_epoch=steps, preemption=preemption)
-        start = time.perf_counter()
-        # Keras's BackupAndRestore restores the same position from the same backup; initial_epoch only says so.
-        # With --validation, Keras evaluates the test split at each epoch's end; TensorBoard's callback writes
-        # those figures to a `validation` run beside `train`.
-        model.fit(train, epochs=cfg.epochs, initial_epoch=first_epoch, steps_per_epoch=steps, callbacks=cbs,
-                  validation_data=test if cfg.validation else None)
-        train_seconds = time.perf_counter() - start
-        train_images = data.images_in_steps(first_global_step, last_global_step, steps, global_batch, num_train)
+        train_seconds = fit(cfg, model, train, test, steps=steps, first_epoch=first_epoch, work_dir=work_dir,
+                            preemption=preemption)
+        trained = data.images_in_steps(first_global_step, last_global_step, steps, global_batch, num_train)
 
     # Step 5: the latest checkpoint, restored and evaluated. A non-chief that just trained skips the restore:
     # synchronous training left it the chief's weights, and the chief may still be writing that checkpoint.
-    if is_chief or not train_images:
+    if is_chief or not trained:
         # The checkpoint also holds the optimizer, which evaluation does not need.
-        model.load_weights(tf.train.latest_checkpoint(checkpoint_dir)).assert_existing_objects_matched().expect_partial()
+        latest = tf.train.latest_checkpoint(cfg.path(cfg.checkpoint_dir))
+        model.load_weights(latest).assert_existing_objects_matched().expect_partial()
     _, accuracy_checkpoint = model.evaluate(test)
 
     # Step 6: export, reload without and with the strategy's scope, evaluate both; and the Keras 3 file.
@@ -355,62 +173,16 @@ def run(cfg):
     _, accuracy_unreplicated = export.reload(saved_model).evaluate(test)
     _, accuracy_replicated = export.reload(saved_model, strategy).evaluate(test)
 
-    results = {
-        "strategy": cfg.strategy,
-        "replicas": strategy.num_replicas_in_sync,
-        "devices": device_names(strategy),
-        "epochs": cfg.epochs,
-        "global_batch_size": global_batch,
-        "steps_per_epoch": steps,
-        "resumed_from_epoch": first_epoch,
-        "resumed_from_step": first_global_step,
-        "train_images": train_images,
-        "train_seconds": round(train_seconds, 3),
-        "train_images_per_s": round(train_images / train_seconds, 1) if train_seconds else None,
-        "eval_accuracy_checkpoint": float(accuracy_checkpoint),
-        "eval_accuracy_unreplicated": float(accuracy_unreplicated),
-        "eval_accuracy_replicated": float(accuracy_replicated),
-        "seed": cfg.seed,
-        "learning_rate_scale": callbacks.learning_rate_scale(global_batch, cfg.scale_lr),
-        "warmup_epochs": cfg.warmup_epochs,
-        "cross_device_ops": cfg.cross_device_ops or "default",
-        "communication": cfg.communication or "default",
-        "mixed_precision": cfg.mixed_precision,
-        "gpu_memory_growth": cfg.gpu_memory_growth,
-    }
-    if is_chief:
-        write_json(cfg.path(cfg.results_file), results)
-        # The run is complete only now; a kill before this line resumes from the backup.
-        shutil.rmtree(backup_dir, ignore_errors=True)
-    else:
-        shutil.rmtree(work_dir, ignore_errors=True)
-    print(json.dumps(results, indent=2))
+    figures = outputs.results(
+        cfg, strategy, parameters=model.count_params(), global_batch=global_batch, steps=steps,
+        first_epoch=first_epoch, first_global_step=first_global_step, train_images=trained,
+        train_seconds=train_seconds, accuracies=(accuracy_checkpoint, accuracy_unreplicated, accuracy_replicated))
+    outputs.finish(cfg, figures, is_chief=is_chief, work_dir=work_dir)
+    print(json.dumps(figures, indent=2))
     print()
-    print(summary(cfg, results, num_train=num_train, num_test=info.splits["test"].num_examples, is_chief=is_chief))
+    print(terminal.summary(cfg, figures, num_train=num_train, num_test=info.splits["test"].num_examples,
+                           is_chief=is_chief))
     return EXIT_OK
-
-
-# ---------------------------------------------------------------- a lost peer
-
-# Measured with two workers on loopback: a peer's process killed, or stopped so that its heartbeats stop,
-# aborts every collective op here with UnavailableError (within 1 s, or 6 s for the heartbeats); the peer
-# hosting the coordination service stopped gives DeadlineExceededError on its heartbeat (11 s). So no
-# collective timeout is needed for a survivor to leave. TensorFlow names the lost task in the message.
-PEER_TASK = re.compile(r"/job:(\w+)/(?:replica:\d+/)?task:(\d+)")
-ABORTED_BY = "Collective ops is aborted by:"
-
-
-def lost_peer(cfg, err):
-    """What was lost, when `err` is a multi-worker run losing one of its workers; None for any other error."""
-    tf = sys.modules.get("tensorflow")
-    if cfg is None or cfg.strategy != "multiworker" or tf is None:
-        return None
-    if not isinstance(err, (tf.errors.UnavailableError, tf.errors.DeadlineExceededError)):
-        return None
-    task = PEER_TASK.search(err.message)
-    what = f"{task[1]} {task[2]}" if task else "the worker hosting the coordination service (the chief, or worker 0)"
-    reason = err.message.split(ABORTED_BY)[-1].strip().splitlines()[0].rstrip(":")
-    return f"lost {what} of this multi-worker run ({reason})"
 
 
 def main(argv=None):
@@ -419,7 +191,7 @@ def main(argv=None):
     cfg = None
     try:
         cfg = config.validate(config.from_args(args))
-        refuse_finished_run(cfg)
+        outputs.refuse_finished_run(cfg)
         return run(cfg)
     except UsageError as err:
         print(f"error: {err}", file=sys.stderr)
@@ -431,7 +203,7 @@ def main(argv=None):
         print("error: interrupted; run the same command again to resume after the last backup", file=sys.stderr)
         return EXIT_INTERRUPTED
     except Exception as err:
-        lost = lost_peer(cfg, err)
+        lost = cluster.lost_peer(cfg, err)
         if lost is None:
             raise
         print(f"error: {lost}; restart every worker with the same command: the run resumes from the last backup",

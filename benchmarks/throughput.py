@@ -169,7 +169,8 @@ def ceiling_round(info, cfg, strategy, epochs):
 
 def measure_one(name, data_dir, epochs):
     """One round, in this process: a fresh process per round keeps rounds from slowing each other."""
-    datasets, info = data.load(data_dir)
+    info = data.load(data_dir)
+    datasets = data.tfds_datasets(data_dir)
     cfg = Config()
     keras.utils.set_random_seed(cfg.seed)
     strategy = tf.distribute.MirroredStrategy()

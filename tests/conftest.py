@@ -6,10 +6,13 @@ Nothing here reads ../shared or the network; every byte of data is made below.
 import gzip
 import json
 import os
+import pathlib
 import socket
 import struct
 import subprocess
 import sys
+import tempfile
+import time
 
 import numpy as np
 import pytest
@@ -143,8 +146,9 @@ def free_ports(n, consecutive=False):
 
 
 class Worker:
-    """One worker's process of the entrypoint. Its output goes to files (pipes nobody reads fill up and stall
-    it), and its TMPDIR is a folder of its own, so a test sees what it leaves there."""
+    """One process of the entrypoint: the one way the tests start it. Its output goes to files (pipes nobody
+    reads fill up and stall it), unbuffered so that a test can follow its progress, and its TMPDIR is a folder
+    of its own, so a test sees what it leaves there."""
 
     def __init__(self, args, env, directory, name):
         self.scratch = directory / name
@@ -152,8 +156,13 @@ class Worker:
         self.stdout_path, self.stderr_path = directory / f"{name}.stdout", directory / f"{name}.stderr"
         with open(self.stdout_path, "w") as out, open(self.stderr_path, "w") as err:
             self.proc = subprocess.Popen([sys.executable, "train_mnist_mirrored.py", *args], cwd=ROOT,
-                                         env={**subprocess_env(), "TMPDIR": str(self.scratch), **env},
+                                         env={**subprocess_env(), "PYTHONUNBUFFERED": "1",
+                                              "TMPDIR": str(self.scratch), **env},
                                          stdout=out, stderr=err, text=True)
+
+    @property
+    def returncode(self):
+        return self.proc.returncode
 
     @property
     def stdout(self):
@@ -167,6 +176,13 @@ class Worker:
     def last_stderr_line(self):
         return self.stderr.rstrip().splitlines()[-1]
 
+    def wait_for(self, text):
+        """Returns once the worker has printed `text`; fails if it exits first."""
+        while text not in self.stdout:
+            assert self.proc.poll() is None, (
+                f"exited {self.proc.returncode} before printing {text!r}:\n{self.stderr[-3000:]}")
+            time.sleep(0.2)
+
 
 def finish(workers, timeout=400):
     """Waits for every worker (killing all of them if one hangs) and returns their exit statuses."""
@@ -175,6 +191,15 @@ def finish(workers, timeout=400):
     finally:
         for w in workers:
             w.proc.kill()
+
+
+def run_entrypoint(args, directory, env=None, timeout=600):
+    """Runs the entrypoint to its end, as a Worker of its own under `directory`; returns it."""
+    name = tempfile.mkdtemp(prefix="run", dir=directory)
+    os.rmdir(name)
+    worker = Worker(args, env or {}, pathlib.Path(directory), os.path.basename(name))
+    finish([worker], timeout)
+    return worker
 
 
 def assert_one_port_warning(stderr, port):
@@ -211,9 +236,7 @@ def smoke_run(tmp_path_factory, data_dir):
     args = smoke_args(data_dir, output_dir) + ["--validation"]
     if SMOKE_CPU_REPLICAS:
         args += ["--cpu-replicas", str(SMOKE_CPU_REPLICAS)]
-    proc = subprocess.run([sys.executable, "train_mnist_mirrored.py", *args], cwd=ROOT, env=subprocess_env(),
-                          capture_output=True, text=True, timeout=600)
-    return SmokeRun(proc, output_dir)
+    return SmokeRun(run_entrypoint(args, tmp_path_factory.mktemp("smoke_process")), output_dir)
 
 
 @pytest.fixture(scope="session")

@@ -4,15 +4,13 @@ own where the test must hide the GPUs)."""
 import json
 import os
 import shutil
-import subprocess
-import sys
 
 import pytest
 
 import data
 import train_mnist_mirrored
 from config import EXIT_BAD_INPUT
-from conftest import ROOT, smoke_args, subprocess_env
+from conftest import run_entrypoint, smoke_args
 
 CLOSED_PORT = ("127.0.0.1", 9)  # discard port; nothing listens there on a test machine
 
@@ -82,10 +80,9 @@ def test_nccl_without_gpus_is_refused(flags, words, quick_args, tmp_path):
 
     A real process with every GPU hidden, so the machine has none whether or not the test host has some.
     """
-    env = {**subprocess_env(), "CUDA_VISIBLE_DEVICES": "",
+    env = {"CUDA_VISIBLE_DEVICES": "",
            "TF_CONFIG": json.dumps({"cluster": {"worker": ["127.0.0.1:12345"]}, "task": {"type": "worker", "index": 0}})}
-    proc = subprocess.run([sys.executable, "train_mnist_mirrored.py", *quick_args(*flags)], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=300)
+    proc = run_entrypoint(quick_args(*flags), tmp_path, env, timeout=300)
     lines = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert proc.returncode == EXIT_BAD_INPUT, proc.stderr[-3000:]
     assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]

@@ -35,7 +35,8 @@ def test_prepared_dir_reads_back_exactly_what_was_written(data_dir, mnist_arrays
 
 
 def test_data_load_uses_the_prepared_dir(data_dir):
-    datasets, info = data.load(data_dir)
+    info = data.load(data_dir)
+    datasets = data.tfds_datasets(data_dir)
     assert info.splits["train"].num_examples == NUM_TRAIN
     image, label = next(iter(datasets["test"]))
     assert tuple(image.shape) == (28, 28, 1)

@@ -20,7 +20,8 @@ SEED = 5
 
 @pytest.fixture(scope="module")
 def loaded(data_dir):
-    datasets, info = data.load(data_dir)
+    info = data.load(data_dir)
+    datasets = data.tfds_datasets(data_dir)
     return datasets, info, {split: data.resident_split(info, split) for split in ("train", "test")}
 
 

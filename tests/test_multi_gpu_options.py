@@ -4,8 +4,6 @@ all-reduce choice recorded. The one-step comparison of the all-reduces is in tes
 
 import json
 import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -14,7 +12,7 @@ import tensorflow as tf
 import callbacks
 import model
 from config import Config
-from conftest import ROOT, SMOKE_CPU_REPLICAS, smoke_args, subprocess_env
+from conftest import SMOKE_CPU_REPLICAS, run_entrypoint, smoke_args
 from model import keras
 from test_smoke_run import _scalars
 
@@ -179,8 +177,7 @@ def options_run(tmp_path_factory, data_dir):
             "--mixed-precision", "--gpu-memory-growth"]
     if SMOKE_CPU_REPLICAS:
         args += ["--cpu-replicas", str(SMOKE_CPU_REPLICAS), "--cross-device-ops", "hierarchical-copy"]
-    proc = subprocess.run([sys.executable, "train_mnist_mirrored.py", *args], cwd=ROOT, env=subprocess_env(),
-                          capture_output=True, text=True, timeout=600)
+    proc = run_entrypoint(args, tmp_path_factory.mktemp("options_process"))
     assert proc.returncode == 0, proc.stderr[-4000:]
     with open(os.path.join(output_dir, "results.json")) as f:
         return proc, output_dir, json.load(f)

@@ -88,7 +88,7 @@ def test_two_workers_on_loopback(tmp_path, data_dir):
                for index in range(2)]
     for w, status, address in zip(workers, finish(workers), cluster["worker"]):
         assert status == 0, w.stderr[-3000:]
-        # Each says, once, that its port is open to anyone (README, "Open ports").
+        # Each says, once, that its port is open to anyone (docs/clusters.md, "Open ports").
         assert_one_port_warning(w.stderr, port=address.rsplit(":", 1)[1])
 
     results = json.loads(open(os.path.join(output_dir, "results.json")).read())

@@ -5,8 +5,6 @@ weights of a run never interrupted, bit for bit."""
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
 
 import numpy as np
@@ -15,7 +13,7 @@ import pytest
 import callbacks
 import data
 from config import EXIT_PREEMPTED
-from conftest import ROOT, final_weights, free_ports, subprocess_env
+from conftest import Worker, final_weights, finish, free_ports, run_entrypoint
 
 EPOCHS = 3
 BATCH = 8
@@ -26,26 +24,12 @@ FLAGS = ["--epochs", str(EPOCHS), "--batch-size-per-replica", str(BATCH), "--ste
 EXIT_SECONDS = 60  # a generous bound for "well inside Kubernetes's 30 s grace period" on a loaded test machine
 
 
-def _command(data_dir, output_dir, *extra):
-    return [sys.executable, "train_mnist_mirrored.py", *FLAGS, "--data-dir", data_dir, "--output-dir", output_dir,
-            *extra]
-
-
-def _start(command, **env):
-    return subprocess.Popen(command, cwd=ROOT, env={**subprocess_env(), "PYTHONUNBUFFERED": "1", **env},
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-
-
-def _wait_for_line(proc, text):
-    for line in proc.stdout:
-        if text in line:
-            return
-    raise AssertionError(f"the run ended before printing {text!r}: {proc.stderr.read()[-3000:]}")
+def _args(data_dir, output_dir, *extra):
+    return [*FLAGS, "--data-dir", data_dir, "--output-dir", output_dir, *extra]
 
 
 def _finish(data_dir, output_dir):
-    proc = subprocess.run(_command(data_dir, output_dir), cwd=ROOT, env=subprocess_env(),
-                          capture_output=True, text=True, timeout=600)
+    proc = run_entrypoint(_args(data_dir, output_dir), os.path.dirname(output_dir))
     assert proc.returncode == 0, proc.stderr[-3000:]
     with open(os.path.join(output_dir, "results.json")) as f:
         return proc, json.load(f)
@@ -77,15 +61,16 @@ def _assert_bit_identical(output_dir, expected):
 
 def test_sigterm_saves_exits_143_and_resumes_bit_identical(tmp_path, resume_data_dir, uninterrupted):
     output_dir = str(tmp_path / "out")
-    proc = _start(_command(resume_data_dir, output_dir))
+    proc = Worker(_args(resume_data_dir, output_dir), {}, tmp_path, "run")
     try:
-        _wait_for_line(proc, f"Epoch 2/{EPOCHS}")
+        proc.wait_for(f"Epoch 2/{EPOCHS}")
         sent = time.monotonic()
-        proc.send_signal(signal.SIGTERM)
-        _, err = proc.communicate(timeout=EXIT_SECONDS)
+        proc.proc.send_signal(signal.SIGTERM)
+        finish([proc], timeout=EXIT_SECONDS)
         exit_seconds = time.monotonic() - sent
     finally:
-        proc.kill()
+        proc.proc.kill()
+    err = proc.stderr
     assert proc.returncode == EXIT_PREEMPTED, err[-3000:]
     assert exit_seconds < EXIT_SECONDS
     last = err.strip().splitlines()[-1]
@@ -106,9 +91,10 @@ def test_sigterm_saves_exits_143_and_resumes_bit_identical(tmp_path, resume_data
 def test_sigkill_mid_epoch_resumes_at_the_last_backup_bit_identical(tmp_path, resume_data_dir, uninterrupted):
     output_dir = str(tmp_path / "out")
     backup_dir = os.path.join(output_dir, "backup")
-    proc = _start(_command(resume_data_dir, output_dir))
+    worker = Worker(_args(resume_data_dir, output_dir), {}, tmp_path, "run")
+    proc = worker.proc
     try:
-        _wait_for_line(proc, f"Epoch 2/{EPOCHS}")
+        worker.wait_for(f"Epoch 2/{EPOCHS}")
         position = (0, 0)
         while position[0] != 1 or position[1] == 0:  # until a backup inside epoch 2 is written
             assert proc.poll() is None, "the run ended before a backup inside epoch 2"
@@ -133,19 +119,19 @@ def test_sigterm_to_one_of_two_workers_stops_both_with_143(tmp_path, resume_data
     cluster = {"worker": [f"127.0.0.1:{port}" for port in free_ports(2)]}
     output_dir = str(tmp_path / "out")
 
-    def start_workers():
-        return [_start(_command(resume_data_dir, output_dir, "--strategy", "multiworker"), TMPDIR=str(tmp_path),
-                       TF_CONFIG=json.dumps({"cluster": cluster, "task": {"type": "worker", "index": index}}))
+    def start_workers(attempt):
+        return [Worker(_args(resume_data_dir, output_dir, "--strategy", "multiworker"),
+                       {"TF_CONFIG": json.dumps({"cluster": cluster, "task": {"type": "worker", "index": index}})},
+                       tmp_path, f"worker{index}-{attempt}")
                 for index in range(2)]
 
-    workers = start_workers()
+    workers = start_workers(1)
     try:
-        _wait_for_line(workers[0], f"Epoch 2/{EPOCHS}")
-        workers[1].send_signal(signal.SIGTERM)  # the non-chief: the chief learns of it through the all-reduce
-        errors = [w.communicate(timeout=EXIT_SECONDS)[1] for w in workers]
+        workers[0].wait_for(f"Epoch 2/{EPOCHS}")
+        workers[1].proc.send_signal(signal.SIGTERM)  # the non-chief: the chief learns of it through the all-reduce
     finally:
-        for w in workers:
-            w.kill()
+        finish(workers, timeout=EXIT_SECONDS)
+    errors = [w.stderr for w in workers]
     for w, err in zip(workers, errors):
         assert w.returncode == EXIT_PREEMPTED, err[-3000:]
         assert err.strip().splitlines()[-1].startswith("error: pre-empted (SIGTERM)")
@@ -157,14 +143,10 @@ def test_sigterm_to_one_of_two_workers_stops_both_with_143(tmp_path, resume_data
     for err in errors:
         assert f"(global step {steps + step})" in err
 
-    workers = start_workers()
-    try:
-        outputs = [w.communicate(timeout=600) for w in workers]
-    finally:
-        for w in workers:
-            w.kill()
-    for w, (_, err) in zip(workers, outputs):
-        assert w.returncode == 0, err[-3000:]
+    workers = start_workers(2)
+    finish(workers, timeout=600)
+    for w in workers:
+        assert w.returncode == 0, w.stderr[-3000:]
     with open(os.path.join(output_dir, "results.json")) as f:
         results = json.load(f)
     assert results["resumed_from_step"] == steps + step and results["replicas"] == 2

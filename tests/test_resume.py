@@ -3,13 +3,11 @@
 import json
 import os
 import signal
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 
-from conftest import ROOT, final_weights, subprocess_env
+from conftest import Worker, final_weights, finish, run_entrypoint
 
 EPOCHS = 4
 # Enough steps that an epoch lasts long enough to be killed inside it.
@@ -17,13 +15,12 @@ RESUME_FLAGS = ["--epochs", str(EPOCHS), "--batch-size-per-replica", "8", "--ste
                 "--deterministic", "--seed", "7"]
 
 
-def _command(data_dir, output_dir):
-    return [sys.executable, "train_mnist_mirrored.py", *RESUME_FLAGS, "--data-dir", data_dir, "--output-dir", output_dir]
+def _args(data_dir, output_dir):
+    return [*RESUME_FLAGS, "--data-dir", data_dir, "--output-dir", output_dir]
 
 
 def _run(data_dir, output_dir):
-    proc = subprocess.run(_command(data_dir, output_dir), cwd=ROOT, env=subprocess_env(),
-                          capture_output=True, text=True, timeout=600)
+    proc = run_entrypoint(_args(data_dir, output_dir), os.path.dirname(output_dir))
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc
 
@@ -50,18 +47,13 @@ def test_identical_runs_give_bit_identical_weights(tmp_path, resume_data_dir, un
 
 def test_killed_run_resumes_and_matches_uninterrupted(tmp_path, resume_data_dir, uninterrupted):
     output_dir = str(tmp_path / "out")
-    env = {**subprocess_env(), "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.Popen(_command(resume_data_dir, output_dir), cwd=ROOT, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    worker = Worker(_args(resume_data_dir, output_dir), {}, tmp_path, "killed")
     try:
-        for line in proc.stdout:
-            if f"Epoch 3/{EPOCHS}" in line:  # epochs 1 and 2 are done and backed up
-                proc.send_signal(signal.SIGKILL)
-                break
+        worker.wait_for(f"Epoch 3/{EPOCHS}")  # epochs 1 and 2 are done and backed up
+        worker.proc.send_signal(signal.SIGKILL)
     finally:
-        proc.kill()
-        proc.wait()
-    assert proc.returncode == -signal.SIGKILL
+        finish([worker])
+    assert worker.returncode == -signal.SIGKILL
     assert not os.path.exists(os.path.join(output_dir, "results.json"))
     assert os.path.isdir(os.path.join(output_dir, "backup"))
 
@@ -89,9 +81,8 @@ def test_overwrite_replaces_a_finished_run_without_mixing_checkpoints(tmp_path, 
     output_dir = str(tmp_path / "out")
     shutil.copytree(uninterrupted, output_dir)
     assert os.path.exists(os.path.join(output_dir, "training_checkpoints", f"ckpt_{EPOCHS}.index"))
-    proc = subprocess.run([sys.executable, "train_mnist_mirrored.py", "--epochs", "1", "--steps-per-epoch", "5",
-                           "--data-dir", resume_data_dir, "--output-dir", output_dir, "--overwrite"],
-                          cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=600)
+    proc = run_entrypoint(["--epochs", "1", "--steps-per-epoch", "5", "--data-dir", resume_data_dir,
+                           "--output-dir", output_dir, "--overwrite"], tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = json.loads(open(os.path.join(output_dir, "results.json")).read())
     assert results["epochs"] == 1 and results["resumed_from_epoch"] == 0

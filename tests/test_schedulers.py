@@ -4,11 +4,12 @@ import json
 import os
 import signal
 import sys
-import time
 
 import pytest
 
 import config
+import cluster
+import terminal
 import train_mnist_mirrored
 from conftest import Worker, assert_one_port_warning, finish, free_ports, smoke_args
 
@@ -81,12 +82,6 @@ def tfjob_env(cluster, task_type):
                                      "environment": "cloud"})}
 
 
-def _wait_for(worker, text):
-    while text not in worker.stdout:
-        assert worker.proc.poll() is None, f"exited {worker.proc.returncode} before {text!r}:\n{worker.stderr[-3000:]}"
-        time.sleep(0.2)
-
-
 def test_tfjob_worker_lost_exits_138_and_restart_resumes(tmp_path, data_dir):
     chief_port, worker_port = free_ports(2)
     cluster = {"chief": [f"127.0.0.1:{chief_port}"], "worker": [f"127.0.0.1:{worker_port}"]}
@@ -98,7 +93,7 @@ def test_tfjob_worker_lost_exits_138_and_restart_resumes(tmp_path, data_dir):
 
     chief, worker = start(1)
     try:
-        _wait_for(chief, f"Epoch 3/{EPOCHS}")  # epochs 1 and 2 are backed up
+        chief.wait_for(f"Epoch 3/{EPOCHS}")  # epochs 1 and 2 are backed up
         worker.proc.send_signal(signal.SIGKILL)
         status = chief.proc.wait(timeout=300)  # a guard against a hang; the survivor takes seconds
     finally:
@@ -130,15 +125,15 @@ def test_lost_peer_is_named_only_for_multiworker_collective_failures():
     reset = ("Collective ops is aborted by: Socket closed\nAdditional GRPC error information from remote target "
              "/job:worker/replica:0/task:1 while calling /tensorflow.WorkerService/RecvBuf:")
     multi, single = config.Config(strategy="multiworker"), config.Config()
-    assert train_mnist_mirrored.lost_peer(multi, tf.errors.UnavailableError(None, None, reset)) == (
+    assert cluster.lost_peer(multi, tf.errors.UnavailableError(None, None, reset)) == (
         "lost worker 1 of this multi-worker run (Socket closed)")
     leader = "Collective ops is aborted by: Deadline Exceeded\n\nRPC: /tensorflow.CoordinationService/Heartbeat"
-    assert "coordination service" in train_mnist_mirrored.lost_peer(
+    assert "coordination service" in cluster.lost_peer(
         multi, tf.errors.DeadlineExceededError(None, None, leader))
     # Other errors keep their own status and traceback: only a multi-worker run loses peers.
-    assert train_mnist_mirrored.lost_peer(single, tf.errors.UnavailableError(None, None, reset)) is None
-    assert train_mnist_mirrored.lost_peer(multi, tf.errors.InvalidArgumentError(None, None, reset)) is None
-    assert train_mnist_mirrored.lost_peer(multi, ValueError(reset)) is None
+    assert cluster.lost_peer(single, tf.errors.UnavailableError(None, None, reset)) is None
+    assert cluster.lost_peer(multi, tf.errors.InvalidArgumentError(None, None, reset)) is None
+    assert cluster.lost_peer(multi, ValueError(reset)) is None
 
 
 # ---------------------------------------------------------------- bad Slurm variables and options: exit 2
@@ -147,7 +142,7 @@ def test_lost_peer_is_named_only_for_multiworker_collective_failures():
 def slurm_step(monkeypatch, tmp_path, capsys):
     """srun's variables for task `rank` of a one-node step, in this process, on a machine without GPUs."""
     # TensorFlow's first GPU probe in a process may print CUDA's cuInit line; let it happen here, not in the test.
-    train_mnist_mirrored.start_tensorflow(verbose=False)
+    terminal.start_tensorflow(verbose=False)
     capsys.readouterr()
     monkeypatch.delenv("TF_CONFIG", raising=False)
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)

@@ -121,14 +121,18 @@ def test_smoke_run_ends_with_a_summary_in_the_tutorials_step_order(smoke_ok):
     results = smoke_ok.results
     summary = smoke_ok.stdout[smoke_ok.stdout.rindex("Summary"):]
     lines = summary.strip().splitlines()
-    assert len(lines) <= 8, summary
-    assert re.findall(r"^  (\d)\. ", summary, re.M) == ["1", "2", "4", "5", "6"]
+    assert len(lines) <= 9, summary
+    assert re.findall(r"^  (\d)\. ", summary, re.M) == ["1", "2", "3", "4", "5", "6"]
     replicas = results["replicas"]
     assert f"{replicas} replica{'s' if replicas > 1 else ''} in sync" in lines[1]
     if SMOKE_CPU_REPLICAS:
         assert "CPU:0, CPU:1" in lines[1]
     assert f"{NUM_TRAIN:,} training and {NUM_TEST:,} test images" in lines[2]
-    assert f"of {SMOKE_EPOCHS} at {results['train_images_per_s']:,.0f} images/s, validated each epoch" in lines[3]
+    # The tutorial's CNN: 26x26x32 convolutions, pooled to 13x13x32, then 64 and 10 units.
+    parameters = (3 * 3 * 32 + 32) + (13 * 13 * 32 * 64 + 64) + (64 * 10 + 10)
+    assert results["parameters"] == parameters
+    assert f"the tutorial's CNN, {parameters:,} parameters, compiled in the strategy's scope" in lines[3]
+    assert f"of {SMOKE_EPOCHS} at {results['train_images_per_s']:,.0f} images/s, validated each epoch" in lines[4]
     accuracies = re.findall(r"test accuracy (\d\.\d{4})|(\d\.\d{4}) in the strategy's scope", summary)
     assert [float(a or b) for a, b in accuracies] == pytest.approx(
         [results["eval_accuracy_checkpoint"], results["eval_accuracy_unreplicated"], results["eval_accuracy_replicated"]],

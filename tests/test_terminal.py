@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-import train_mnist_mirrored
+import terminal
 from conftest import ROOT, subprocess_env
 
 # As TensorFlow 2.21 printed them at the start of a default run on this project's CPU machine.
@@ -29,27 +29,27 @@ def _write_fd2(lines):
 
 
 def test_notices_are_held_back_and_everything_else_shows(capfd):
-    with train_mnist_mirrored.startup_output_held(verbose=False):
+    with terminal.startup_output_held(verbose=False):
         _write_fd2(NOTICES + [REAL_WARNING, CUINIT])
     assert capfd.readouterr().err == REAL_WARNING
 
 
 def test_cuinit_failure_shows_where_a_cuda_driver_exists(capfd):
     # Without the "Could not find cuda drivers" notice, a failed cuInit is a broken GPU set-up, not noise.
-    with train_mnist_mirrored.startup_output_held(verbose=False):
+    with terminal.startup_output_held(verbose=False):
         _write_fd2(NOTICES[:2] + [CUINIT])
     assert capfd.readouterr().err == CUINIT
 
 
 def test_verbose_shows_every_held_line(capfd):
-    with train_mnist_mirrored.startup_output_held(verbose=True):
+    with terminal.startup_output_held(verbose=True):
         _write_fd2(NOTICES + [CUINIT])
     assert capfd.readouterr().err == "".join(NOTICES + [CUINIT])
 
 
 def test_a_failed_start_shows_every_held_line_and_the_error_propagates(capfd):
     with pytest.raises(ImportError, match="no TensorFlow"):
-        with train_mnist_mirrored.startup_output_held(verbose=False):
+        with terminal.startup_output_held(verbose=False):
             _write_fd2(NOTICES)
             raise ImportError("no TensorFlow")
     assert capfd.readouterr().err == "".join(NOTICES)
@@ -60,7 +60,7 @@ def test_a_failed_start_shows_every_held_line_and_the_error_propagates(capfd):
 
 def test_verbose_start_shows_tensorflows_own_notices():
     """The real thing, in a fresh process: what TensorFlow prints while it starts is replayed with --verbose."""
-    script = "import train_mnist_mirrored as t; t.start_tensorflow(verbose=True); print('started')"
+    script = "import terminal as t; t.start_tensorflow(verbose=True); print('started')"
     proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=subprocess_env(),
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]

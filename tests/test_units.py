@@ -54,3 +54,29 @@ def test_model_outputs_logits_for_a_batch():
     net = model.build_model()
     out = net(np.zeros((3, 28, 28, 1), np.float32))
     assert tuple(out.shape) == (3, 10)
+
+
+def test_help_groups_every_option_by_concern(capsys):
+    """--help shows each option once, under its concern's heading, in the order Config declares the groups."""
+    import dataclasses
+    import re
+
+    import config
+    import train_mnist_mirrored
+
+    with pytest.raises(SystemExit) as exit_info:
+        train_mnist_mirrored.main(["--help"])
+    assert exit_info.value.code == 0
+    # argparse prints each group as a heading line ending in ':' and then its options, one "  --flag" line each.
+    shown, heading = {}, None
+    for line in capsys.readouterr().out.splitlines():
+        if line and not line.startswith(" ") and line.endswith(":"):
+            heading = line[:-1]
+        for flag in re.findall(r"^  (--[a-z-]+)", line):
+            shown.setdefault(flag, []).append(heading)
+    groups = list(dict.fromkeys(f.metadata["group"] for f in dataclasses.fields(Config) if "help" in f.metadata))
+    assert groups[:3] == [config.TRAINING, config.DATA, config.CLUSTER]
+    for field in dataclasses.fields(Config):
+        if "help" in field.metadata:
+            assert shown.pop("--" + field.name.replace("_", "-")) == [field.metadata["group"]], field.name
+    assert shown == {}  # no option that Config does not declare

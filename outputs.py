@@ -1,0 +1,94 @@
+"""What a run leaves in --output-dir: a fresh start, a resumed one or a refusal, and at the end the figures of
+results.json, written atomically, after which the backup is removed (README, "Outputs")."""
+
+import json
+import os
+import shutil
+import tempfile
+
+from config import UsageError
+
+
+def refuse_finished_run(cfg):
+    """A finished run's outputs are never mixed with a new run's, unless --overwrite says to replace them."""
+    if os.path.exists(cfg.path(cfg.results_file)) and not cfg.overwrite:
+        raise UsageError(f"{cfg.output_dir} already holds a finished run ({cfg.results_file}); "
+                         "pass --overwrite to replace it, or choose another --output-dir")
+
+
+def clear_outputs(cfg):
+    """Removes earlier outputs, unless an unfinished run's backup is there to resume from (and no --overwrite)."""
+    unfinished = os.path.isdir(cfg.path(cfg.backup_dir)) and not os.path.exists(cfg.path(cfg.results_file))
+    if unfinished and not cfg.overwrite:
+        return
+    for name in (cfg.checkpoint_dir, cfg.log_dir, cfg.backup_dir, cfg.results_file):
+        path = cfg.path(name)
+        if os.path.isdir(path):
+            shutil.rmtree(path)
+        elif os.path.exists(path):
+            os.remove(path)
+
+
+def work_dir(cfg, is_chief):
+    """Where this process writes: --output-dir for the chief; another worker writes to a folder of its own,
+    removed at the end. (Keras's ModelCheckpoint and BackupAndRestore send a non-chief's writes elsewhere
+    themselves.)"""
+    if is_chief:
+        clear_outputs(cfg)
+    os.makedirs(cfg.output_dir, exist_ok=True)
+    return cfg.output_dir if is_chief else tempfile.mkdtemp(prefix="mnist-worker-")
+
+
+def device_names(strategy):
+    return list(getattr(strategy.extended, "worker_devices", ["/cpu:0"]))
+
+
+def results(cfg, strategy, *, parameters, global_batch, steps, first_epoch, first_global_step, train_images,
+            train_seconds, accuracies):
+    """The figures of results.json; `accuracies` are the checkpoint's, the reloaded SavedModel's, and the
+    SavedModel's reloaded in the strategy's scope."""
+    from callbacks import learning_rate_scale
+
+    checkpoint, unreplicated, replicated = accuracies
+    return {
+        "strategy": cfg.strategy,
+        "replicas": strategy.num_replicas_in_sync,
+        "devices": device_names(strategy),
+        "parameters": parameters,
+        "epochs": cfg.epochs,
+        "global_batch_size": global_batch,
+        "steps_per_epoch": steps,
+        "resumed_from_epoch": first_epoch,
+        "resumed_from_step": first_global_step,
+        "train_images": train_images,
+        "train_seconds": round(train_seconds, 3),
+        "train_images_per_s": round(train_images / train_seconds, 1) if train_seconds else None,
+        "eval_accuracy_checkpoint": float(checkpoint),
+        "eval_accuracy_unreplicated": float(unreplicated),
+        "eval_accuracy_replicated": float(replicated),
+        "seed": cfg.seed,
+        "learning_rate_scale": learning_rate_scale(global_batch, cfg.scale_lr),
+        "warmup_epochs": cfg.warmup_epochs,
+        "cross_device_ops": cfg.cross_device_ops or "default",
+        "communication": cfg.communication or "default",
+        "mixed_precision": cfg.mixed_precision,
+        "gpu_memory_growth": cfg.gpu_memory_growth,
+    }
+
+
+def write_json(path, payload):
+    partial = path + ".partial"
+    with open(partial, "w") as f:
+        json.dump(payload, f, indent=2)
+        f.write("\n")
+    os.replace(partial, path)
+
+
+def finish(cfg, figures, *, is_chief, work_dir):
+    """The chief writes results.json, and only then removes the backup: a kill before that resumes from it. Any
+    other worker removes its own folder."""
+    if is_chief:
+        write_json(cfg.path(cfg.results_file), figures)
+        shutil.rmtree(cfg.path(cfg.backup_dir), ignore_errors=True)
+    else:
+        shutil.rmtree(work_dir, ignore_errors=True)

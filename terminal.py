@@ -1,0 +1,97 @@
+"""What the terminal shows besides Keras's own progress: TensorFlow's start-up notices held back, and the summary
+for people at the end, in the tutorial's step order (docs/terminal.md)."""
+
+import contextlib
+import os
+import sys
+import tempfile
+
+# ---------------------------------------------------------------- TensorFlow's start-up
+
+# Lines TensorFlow 2.21 prints from C++ while it loads and probes for GPUs, before its logging is set up, so
+# TF_CPP_MIN_LOG_LEVEL does not reach them: notices nobody can act on. --verbose shows them.
+STARTUP_NOTICES = (
+    "WARNING: All log messages before absl::InitializeLog() is called are written to STDERR",
+    "] oneDNN custom operations are on.",
+    "] Could not find cuda drivers on your machine, GPU will not be used.",
+)
+NO_CUDA_DRIVER = STARTUP_NOTICES[2]
+# Without any CUDA driver (the notice above) this failure follows as a matter of course; with a driver it is
+# a real error, and shown.
+CUINIT_FAILED = "] failed call to cuInit:"
+
+
+def without_startup_notices(lines):
+    no_driver = any(NO_CUDA_DRIVER in line for line in lines)
+    return [line for line in lines
+            if not any(notice in line for notice in STARTUP_NOTICES) and not (no_driver and CUINIT_FAILED in line)]
+
+
+@contextlib.contextmanager
+def startup_output_held(verbose):
+    """Holds back what reaches file descriptor 2 (C++ and Python alike) while the block runs, then shows it
+    without TensorFlow's start-up notices: all of it with `verbose`, or when the block fails."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    held = tempfile.TemporaryFile()
+    failed = True
+    try:
+        os.dup2(held.fileno(), 2)
+        yield
+        failed = False
+    finally:
+        sys.stderr.flush()
+        os.dup2(saved, 2)
+        os.close(saved)
+        held.seek(0)
+        lines = held.read().decode(errors="replace").splitlines(keepends=True)
+        held.close()
+        sys.stderr.write("".join(lines if verbose or failed else without_startup_notices(lines)))
+        sys.stderr.flush()
+
+
+def start_tensorflow(verbose):
+    """Imports TensorFlow and lets it probe for GPUs, which is where CUDA reports, its notices held back."""
+    with startup_output_held(verbose):
+        import tensorflow as tf
+
+        tf.config.list_physical_devices()
+    return tf
+
+
+# ---------------------------------------------------------------- the summary for people
+
+def short_device(name):
+    return name.rsplit("/device:", 1)[-1]
+
+
+def trained_line(results):
+    first, epochs, steps = results["resumed_from_step"], results["epochs"], results["steps_per_epoch"]
+    if first >= epochs * steps:
+        return f"all {epochs} epochs were in the backup; nothing left to train"
+    epoch = first // steps + 1
+    done = f"epochs {epoch}-{epochs}" if epoch < epochs else f"epoch {epochs}"
+    resumed = f"resumed at epoch {epoch}, step {first % steps}: " if first else ""
+    return f"{resumed}{done} of {epochs} at {results['train_images_per_s']:,.0f} images/s"
+
+
+def summary(cfg, results, *, num_train, num_test, is_chief):
+    """A few lines for people, after the JSON for programs, in the order of the tutorial's steps."""
+    replicas = results["replicas"]
+    validation = ", validated each epoch" if cfg.validation else ""
+    lines = [
+        "Summary, in the tutorial's steps:",
+        f"  1. strategy  {results['strategy']}: {replicas} replica{'s' * (replicas != 1)} in sync "
+        f"on {', '.join(map(short_device, results['devices']))}",
+        f"  2. data      MNIST: {num_train:,} training and {num_test:,} test images, global batch "
+        f"{results['global_batch_size']}, {results['steps_per_epoch']} steps an epoch",
+        f"  3. model     the tutorial's CNN, {results['parameters']:,} parameters, compiled in the strategy's scope",
+        f"  4. training  {trained_line(results)}{validation}; tensorboard --logdir {cfg.path(cfg.log_dir)}",
+        f"  5. restore   latest checkpoint in {cfg.path(cfg.checkpoint_dir)}: "
+        f"test accuracy {results['eval_accuracy_checkpoint']:.4f}",
+        f"  6. export    {cfg.path(cfg.saved_model_dir)} reloaded: test accuracy "
+        f"{results['eval_accuracy_unreplicated']:.4f}, {results['eval_accuracy_replicated']:.4f} in the strategy's "
+        f"scope; Keras 3 file {cfg.path(cfg.keras_model_file)}",
+        f"  figures      {cfg.path(cfg.results_file)}" + ("" if is_chief else " (written by the chief)"),
+    ]
+    return "\n".join(lines)

@@ -1,0 +1,98 @@
+"""Every relative link in README.md and docs/*.md reaches a file, and every #anchor a heading in it.
+
+Anchors follow GitHub's rule for heading ids: lowercase, punctuation other than '-' and '_' removed, each space a
+'-', and a repeated heading gets -1, -2, ... Code blocks are skipped: their '#' lines are not headings. Pure
+Python, no TensorFlow.
+"""
+
+import os
+import re
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+README = os.path.join(ROOT, "README.md")
+DOCS = os.path.join(ROOT, "docs")
+PAGES = [README] + sorted(os.path.join(DOCS, name) for name in os.listdir(DOCS) if name.endswith(".md"))
+
+LINK = re.compile(r"\]\(([^)\s]+)\)")
+HEADING = re.compile(r"^(#{1,6})\s+(.*?)\s*#*\s*$")
+
+
+def prose_lines(path):
+    """The lines of a markdown file outside fenced code blocks."""
+    fenced = False
+    for line in open(path, encoding="utf-8").read().splitlines():
+        if line.lstrip().startswith(("```", "~~~")):
+            fenced = not fenced
+        elif not fenced:
+            yield line
+
+
+def slug(heading):
+    text = re.sub(r"\[([^\]]*)\]\([^)]*\)", r"\1", heading)  # a link in a heading keeps only its text
+    text = re.sub(r"[^\w\- ]", "", text.lower().replace("`", ""))
+    return text.replace(" ", "-")
+
+
+def anchors(path):
+    seen, result = {}, set()
+    for line in prose_lines(path):
+        match = HEADING.match(line)
+        if match:
+            base = slug(match.group(2))
+            count = seen.get(base, 0)
+            seen[base] = count + 1
+            result.add(base if count == 0 else f"{base}-{count}")
+    return result
+
+
+def local_hrefs(line):
+    """(file, anchor) of each link in the line that is not a web address; file is '' for an own-page '#x'."""
+    for href in LINK.findall(re.sub(r"`[^`]*`", "", line)):
+        if not re.match(r"[a-z][a-z0-9+.-]*:", href):  # https:, mailto:
+            target, _, anchor = href.partition("#")
+            yield target, anchor
+
+
+def relative_links(path):
+    """(absolute target, anchor) of each local link in a page; an own-page '#x' targets the page itself."""
+    for line in prose_lines(path):
+        for target, anchor in local_hrefs(line):
+            yield (os.path.normpath(os.path.join(os.path.dirname(path), target)) if target else path), anchor
+
+
+def test_slug_follows_githubs_rule():
+    assert slug("Why `tf_keras` and not Keras 3") == "why-tf_keras-and-not-keras-3"
+    assert slug("Pre-emption (SIGTERM)") == "pre-emption-sigterm"
+    assert slug("Kubernetes (Kubeflow TFJob)") == "kubernetes-kubeflow-tfjob"
+    assert slug("The tutorial, step by step") == "the-tutorial-step-by-step"
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: os.path.relpath(p, ROOT))
+def test_every_relative_link_resolves(page):
+    broken = []
+    for target, anchor in relative_links(page):
+        if not os.path.exists(target):
+            broken.append(f"{os.path.relpath(target, ROOT)}: no such file")
+        elif anchor and (not target.endswith(".md") or anchor not in anchors(target)):
+            broken.append(f"{os.path.relpath(target, ROOT)}#{anchor}: no such heading")
+    assert not broken, f"{os.path.relpath(page, ROOT)} links to: " + "; ".join(broken)
+
+
+def test_readme_links_every_docs_page():
+    linked = {target for target, _ in relative_links(README)}
+    assert [p for p in PAGES[1:] if p not in linked] == []
+
+
+def test_readme_contents_lists_its_own_sections():
+    lines = list(prose_lines(README))
+    start = lines.index("## Contents")
+    end = next(i for i in range(start + 1, len(lines)) if lines[i].startswith("## "))
+    listed = [anchor for line in lines[start:end]
+              for target, anchor in local_hrefs(line) if target == "" and anchor]
+    sections = [slug(line[3:]) for line in lines[end:] if line.startswith("## ")]
+    # Every top-level section after the contents is listed, in order, and each entry names a real heading.
+    assert [a for a in listed if a in sections] == sections
+    assert set(listed) <= anchors(README)
+
