@@ -20,8 +20,6 @@ import subprocess
 import tempfile
 import time
 
-import pytest
-
 PROGRAMS = ("munged", "slurmctld", "slurmd", "sbatch", "srun", "scontrol", "scancel", "squeue")
 PACKAGES = "slurmctld slurmd slurm-client munge"
 # What each node says it has (SlurmdParameters=config_overrides): enough for deploy/slurm.sbatch's
@@ -62,26 +60,6 @@ KillWait=5
 {nodes}
 PartitionName=test Nodes=ALL Default=YES MaxTime=INFINITE State=UP
 """
-
-
-def in_ci():
-    return os.environ.get("CI", "").lower() in ("1", "true", "yes")
-
-
-def skip_unless_ci(reason):
-    """Skips where the machine cannot run the test, but in CI, which must run it, fails instead."""
-    if in_ci():
-        pytest.fail(f"{reason}, and CI must run this test (.ci/run installs {PACKAGES})")
-    pytest.skip(reason)
-
-
-def started(kind, *args, **kwargs):
-    """kind(*args, **kwargs): daemons or namespaces started, or the test skipped (failed in CI) with the
-    reason they did not start."""
-    try:
-        return kind(*args, **kwargs)
-    except (RuntimeError, subprocess.CalledProcessError) as err:
-        skip_unless_ci(f"{kind.__name__} did not start: {getattr(err, 'stderr', None) or err}")
 
 
 def unavailable():

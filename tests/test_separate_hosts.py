@@ -5,17 +5,13 @@ and one line, within TensorFlow's heartbeat timeout; both restarted resume at th
 
 import json
 import os
-import re
-import subprocess
-import sys
 import time
 
 import pytest
 
 import config
 import netns
-from conftest import ROOT, subprocess_env
-from slurm_cluster import skip_unless_ci, started
+from conftest import Worker, backed_up_step, resumed_steps, skip_unless_ci, started, wait_for_backup_after
 
 BATCH = 8
 STEPS = 1600 // (2 * BATCH)  # the resume data's 1,600 training images on two replicas: 100 steps an epoch
@@ -31,38 +27,13 @@ HEARTBEAT_SECONDS = 10
 # is printed (pytest -s).
 PARTITION_EXIT_SECONDS = 2 * HEARTBEAT_SECONDS
 RUN_SECONDS = 300  # a guard against a hang
-RESUMING = re.compile(r"Resuming from the backup in \S+ at epoch (\d+), step (\d+)")
 
 
-class HostWorker:
-    """Worker `index` of the cluster, on host `index`; its output goes to files."""
-
-    def __init__(self, hosts, index, args, folder, name):
-        self.stdout_path, self.stderr_path = folder / f"{name}.stdout", folder / f"{name}.stderr"
-        cluster = {"worker": [f"{address}:{PORT}" for address in hosts.addresses]}
-        env = {**subprocess_env(), "PYTHONUNBUFFERED": "1", "TMPDIR": str(folder),
-               "TF_CONFIG": json.dumps({"cluster": cluster, "task": {"type": "worker", "index": index}})}
-        with open(self.stdout_path, "w") as out, open(self.stderr_path, "w") as err:
-            self.proc = subprocess.Popen(hosts.run_in(index) + [sys.executable, "train_mnist_mirrored.py", *args],
-                                         cwd=ROOT, env=env, stdout=out, stderr=err)
-
-    @property
-    def stdout(self):
-        return self.stdout_path.read_text()
-
-    @property
-    def stderr(self):
-        return self.stderr_path.read_text()
-
-
-def backup_position(backup_dir):
-    import callbacks
-
-    try:
-        epoch, step = callbacks.backed_up_position(backup_dir, STEPS)
-        return epoch * STEPS + step
-    except Exception:  # noqa: BLE001 - the checkpoint being replaced while read; look again
-        return None
+def start_workers(hosts, args, folder, attempt):
+    """Worker i on host i, each told the cluster of both hosts' addresses."""
+    cluster = {"worker": [f"{address}:{PORT}" for address in hosts.addresses]}
+    return [Worker(args, {"TF_CONFIG": json.dumps({"cluster": cluster, "task": {"type": "worker", "index": i}})},
+                   folder, f"worker{i}-{attempt}", run_in=hosts.run_in(i)) for i in range(2)]
 
 
 def wait_for_ends(workers, timeout, since):
@@ -88,23 +59,22 @@ class Partition:
         backup_dir = os.path.join(self.output_dir, "backup")
         args = [*FLAGS, "--data-dir", data_dir, "--output-dir", self.output_dir]
 
-        self.first = [HostWorker(hosts, i, args, folder, f"worker{i}-1") for i in range(2)]
+        self.first = start_workers(hosts, args, folder, 1)
         try:
             # Mid-epoch: a backup inside epoch 2 is on disk.
-            while (backup_position(backup_dir) or 0) <= STEPS:
-                assert all(w.proc.poll() is None for w in self.first), self.first[0].stderr[-3000:]
-                time.sleep(0.1)
+            wait_for_backup_after(backup_dir, STEPS, STEPS,
+                                  running=lambda: all(w.proc.poll() is None for w in self.first))
             hosts.link(1, "down")
             self.ends = wait_for_ends(self.first, RUN_SECONDS, since=time.monotonic())
         finally:
             for w in self.first:
                 w.proc.kill()
                 w.proc.wait()
-        self.last_backup = backup_position(backup_dir)
+        self.last_backup = backed_up_step(backup_dir, STEPS)
         self.finished_early = os.path.exists(os.path.join(self.output_dir, "results.json"))
 
         hosts.link(1, "up")
-        self.again = [HostWorker(hosts, i, args, folder, f"worker{i}-2") for i in range(2)]
+        self.again = start_workers(hosts, args, folder, 2)
         self.again_ends = wait_for_ends(self.again, RUN_SECONDS, since=time.monotonic())
 
 
@@ -125,10 +95,10 @@ def test_a_partition_ends_both_workers_with_138_and_one_line_within_the_heartbea
         assert status == config.EXIT_PEER_LOST, worker.stderr[-3000:]
         assert seconds < PARTITION_EXIT_SECONDS, partition.ends
         assert "Traceback" not in worker.stderr
-        last = worker.stderr.rstrip().splitlines()[-1]
+        last = worker.last_stderr_line
         assert last.startswith("error: lost ") and "restart every worker with the same command" in last, last
     # Worker 0 names the worker it lost.
-    assert partition.first[0].stderr.rstrip().splitlines()[-1].startswith("error: lost worker 1 ")
+    assert partition.first[0].last_stderr_line.startswith("error: lost worker 1 ")
     assert not partition.finished_early
 
 
@@ -140,5 +110,4 @@ def test_both_restarted_resume_at_the_last_backup_and_finish_together(partition)
     assert results["replicas"] == 2
     assert results["resumed_from_step"] == partition.last_backup > STEPS
     for worker in partition.again:
-        (epoch, step), = RESUMING.findall(worker.stdout)
-        assert (int(epoch) - 1) * STEPS + int(step) == partition.last_backup
+        assert resumed_steps(worker.stdout, STEPS) == [partition.last_backup]

@@ -21,8 +21,9 @@ import pytest
 import config
 import netns
 import slurm_cluster
-from conftest import ROOT, free_ports
-from slurm_cluster import Node, SlurmCluster, skip_unless_ci, started, wait_for_text, watch
+from conftest import (ROOT, backed_up_step, free_ports, resumed_steps, skip_unless_ci, started,
+                      wait_for_backup_after)
+from slurm_cluster import Node, SlurmCluster, wait_for_text, watch
 
 SCRIPT = "deploy/slurm.sbatch"
 BATCH = 8
@@ -39,7 +40,6 @@ SLURMCTLD_PORT, SLURMD_PORT = 6817, 6818
 
 # A task's last line may follow an unfinished progress bar on the same line of the job's output.
 SAVED = re.compile(r"error: pre-empted \(SIGTERM\)[^\n]*\(global step (\d+)\)")
-RESUMING = re.compile(r"Resuming from the backup in \S+ at epoch (\d+), step (\d+)")
 LOST = re.compile(r"error: lost worker 1 of this multi-worker run [^\n]*")
 
 
@@ -75,26 +75,6 @@ def statuses(exits):
     return {task: status for task, (status, _) in exits.items()}
 
 
-def global_step(position):
-    epoch, step = position
-    return epoch * STEPS + step
-
-
-def backup_position(backup_dir):
-    import callbacks
-
-    try:
-        return global_step(callbacks.backed_up_position(backup_dir, STEPS))
-    except Exception:  # noqa: BLE001 - the checkpoint being replaced while read; look again
-        return None
-
-
-def wait_for_backup_after(backup_dir, step, cluster, job_id):
-    while (backup_position(backup_dir) or 0) <= step:
-        assert cluster.job(job_id)["JobState"] == "RUNNING", "the job ended before a new backup"
-        time.sleep(0.1)
-
-
 class Chain:
     """The three jobs: {name: (scontrol's fields, output, {task: (status, seconds to srun's report)})}."""
 
@@ -114,11 +94,12 @@ class Chain:
 
         job_id = submit(cluster, folder, *args, options=ONE_NODE)
         wait_for_text(cluster, job_id, "Resuming from the backup", JOB_SECONDS)
-        wait_for_backup_after(backup_dir, max(self.saved, default=0), cluster, job_id)
+        wait_for_backup_after(backup_dir, STEPS, max(self.saved, default=0),
+                              running=lambda: cluster.job(job_id)["JobState"] == "RUNNING")
         sent = time.monotonic()
         os.kill(cluster.task_pids(job_id, cluster.nodes[0])[1], signal.SIGKILL)
         self.jobs["kill"] = watch(cluster, job_id, sent, EXIT_SECONDS)
-        self.last_backup = backup_position(backup_dir)
+        self.last_backup = backed_up_step(backup_dir, STEPS)
 
         job_id = submit(cluster, folder, *args, options=ONE_NODE)
         self.jobs["again"] = watch(cluster, job_id, time.monotonic(), JOB_SECONDS)
@@ -142,10 +123,8 @@ def test_term_mid_epoch_ends_every_task_with_143_naming_the_saved_step(chain):
 
 def test_sent_again_it_resumes_at_the_saved_step(chain):
     _, output, _ = chain.jobs["kill"]
-    resumed = RESUMING.findall(output)
-    assert len(resumed) == 2, output[-3000:]
-    for epoch, step in resumed:
-        assert global_step((int(epoch) - 1, int(step))) == chain.saved[0]
+    # Each task says where it resumed.
+    assert resumed_steps(output, STEPS) == [chain.saved[0]] * 2, output[-3000:]
 
 
 def test_sigkill_of_one_task_ends_the_other_with_138_and_one_line(chain):
