@@ -64,7 +64,7 @@ PartitionName=test Nodes=ALL Default=YES MaxTime=INFINITE State=UP
 
 def unavailable():
     """Why a real Slurm cannot run here, or None."""
-    missing = [p for p in PROGRAMS if subprocess.run(["which", p], capture_output=True).returncode]
+    missing = [p for p in PROGRAMS if shutil.which(p) is None]
     if missing:
         return f"{', '.join(missing)} not installed (apt-get install -y --no-install-recommends {PACKAGES})"
     if os.geteuid() != 0:
