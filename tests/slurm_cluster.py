@@ -4,8 +4,9 @@ Debian's own packages provide the programs (`apt-get install -y --no-install-rec
 slurm-client munge`; .ci/run installs them). Nothing here touches the machine's own Slurm or munge set-up: the
 munge key, its socket, slurm.conf, state, spool, logs and PID files are all in the folder, every port is a free
 one, the clients find the cluster through SLURM_CONF, and every daemon is stopped by its PID at the end. No
-systemd and no cgroups: processes are tracked through /proc (proctrack/linuxproc) and there is no accounting,
-so a job's state comes from `scontrol show job` and each task's exit from srun's lines in the job's output.
+systemd and no cgroup plugins (slurmd only wants /sys/fs/cgroup mounted): processes are tracked through /proc
+(proctrack/linuxproc) and there is no accounting, so a job's state comes from `scontrol show job` and each
+task's exit from srun's lines in the job's output.
 
 Node names must differ from the machine's hostname. One node in this network namespace is `localhost`, which
 TensorFlow's Slurm resolver (it connects to the node names) reaches. Two nodes each get a namespace of their
@@ -112,8 +113,7 @@ class SlurmCluster:
         os.chmod(key, 0o400)
         self._daemon("munged", ["munged", "--foreground", f"--key-file={key}", f"--socket={self.munge_socket}",
                                 f"--pid-file={self.folder}/munge/munged.pid",
-                                f"--seed-file={self.folder}/munge/munged.seed",
-                                f"--log-file={self.folder}/logs/munged.log"])
+                                f"--seed-file={self.folder}/munge/munged.seed"])
         self._wait_until(lambda: os.path.exists(self.munge_socket), "munged's socket")
 
         nodes = "\n".join(f"NodeName={n.name} NodeAddr={n.address} Port={n.port} CPUs={NODE_CPUS} State=UNKNOWN"
