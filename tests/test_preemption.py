@@ -10,8 +10,7 @@ import time
 import numpy as np
 import pytest
 
-import callbacks
-import data
+import resume
 from config import EXIT_PREEMPTED
 from conftest import Worker, final_weights, finish, free_ports, run_entrypoint
 
@@ -39,7 +38,7 @@ def _assert_resumed_inside_epoch_2(proc, results):
     step = results["resumed_from_step"]
     assert STEPS < step < 2 * STEPS, step  # inside epoch 2, not at its start
     assert results["resumed_from_epoch"] == 1
-    assert f"at epoch 2, step {step - STEPS}" in proc.stdout
+    assert f"at epoch 2, image {(step - STEPS) * BATCH:,} of {STEPS * BATCH:,}\n" in proc.stdout
     # It trained only what was missing, and counts only that.
     assert results["train_images"] == (EPOCHS * STEPS - step) * BATCH
 
@@ -78,9 +77,10 @@ def test_sigterm_saves_exits_143_and_resumes_bit_identical(tmp_path, resume_data
     assert "Traceback" not in err
     assert not os.path.exists(os.path.join(output_dir, "results.json"))
     # The backup holds a step inside epoch 2, the one the message names.
-    epoch, step = callbacks.backed_up_position(os.path.join(output_dir, "backup"), STEPS)
+    position = resume.read(os.path.join(output_dir, "backup"))
+    epoch, step = position.epoch, position.image // BATCH
     assert epoch == 1 and 0 < step < STEPS
-    assert f"global step {STEPS + step})" in last
+    assert f"saved at epoch 2, image {position.image:,} of {STEPS * BATCH:,};" in last
 
     resumed, results = _finish(resume_data_dir, output_dir)
     assert results["resumed_from_step"] == STEPS + step
@@ -99,9 +99,11 @@ def test_sigkill_mid_epoch_resumes_at_the_last_backup_bit_identical(tmp_path, re
         while position[0] != 1 or position[1] == 0:  # until a backup inside epoch 2 is written
             assert proc.poll() is None, "the run ended before a backup inside epoch 2"
             try:
-                position = callbacks.backed_up_position(backup_dir, STEPS)
+                backed_up = resume.read(backup_dir)
             except Exception:  # noqa: BLE001 - the checkpoint being replaced while read; look again
-                pass
+                continue
+            if backed_up is not None:
+                position = (backed_up.epoch, backed_up.image // BATCH)
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=60)
     finally:
@@ -138,10 +140,11 @@ def test_sigterm_to_one_of_two_workers_stops_both_with_143(tmp_path, resume_data
     # Both stopped at the same step: the one the chief saved and both name.
     global_batch = 2 * BATCH
     steps = 1600 // global_batch
-    epoch, step = callbacks.backed_up_position(os.path.join(output_dir, "backup"), steps)
+    position = resume.read(os.path.join(output_dir, "backup"))
+    epoch, step = position.epoch, position.image // global_batch
     assert epoch == 1 and 0 < step < steps
     for err in errors:
-        assert f"(global step {steps + step})" in err
+        assert f"saved at epoch 2, image {position.image:,} of 1,600;" in err
 
     workers = start_workers(2)
     finish(workers, timeout=600)
@@ -151,10 +154,3 @@ def test_sigterm_to_one_of_two_workers_stops_both_with_143(tmp_path, resume_data
         results = json.load(f)
     assert results["resumed_from_step"] == steps + step and results["replicas"] == 2
 
-
-def test_images_in_steps_counts_each_epochs_short_last_batch():
-    # 1,000 images in batches of 64: 16 steps an epoch, the last holding 40.
-    assert data.images_in_steps(0, 16, 16, 64, 1000) == 1000
-    assert data.images_in_steps(0, 32, 16, 64, 1000) == 2000
-    assert data.images_in_steps(10, 20, 16, 64, 1000) == 9 * 64 + 40
-    assert data.images_in_steps(16, 20, 16, 64, 1000) == 4 * 64
