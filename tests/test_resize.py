@@ -17,18 +17,19 @@ import callbacks
 import data
 import resume
 import train_mnist_mirrored
-from config import Config, EXIT_BAD_INPUT, EXIT_OK, EXIT_PREEMPTED
+from config import Config, EXIT_BAD_INPUT, EXIT_OK, EXIT_PREEMPTED, UsageError
 from conftest import Worker, finish, free_ports
 from test_multi_gpu_options import expected_rate
 
 NUM_TRAIN = 1600  # conftest's resume data
-EPOCHS = 3  # the scaled decay's first boundary is epoch 4; a wrong epoch count reaches it within 3
+EPOCHS = 2
 BATCH = 16  # per replica: 100 steps an epoch on one replica, 50 on two
 SEED = 7
 BUFFER = Config().buffer_size
 FLAGS = ["--batch-size-per-replica", str(BATCH), "--steps-per-execution", "5",
          "--backup-every-steps", "10", "--seed", str(SEED)]
 WAIT_SECONDS = 300
+EXIT_SECONDS = 60  # after SIGTERM: a generous bound for "well inside Kubernetes's 30 s grace period" here
 
 
 def _start(tmp_path, name, data_dir, output_dir, *extra, env=None, epochs=EPOCHS):
@@ -36,10 +37,10 @@ def _start(tmp_path, name, data_dir, output_dir, *extra, env=None, epochs=EPOCHS
     return Worker(args, env or {}, tmp_path, name)
 
 
-def _workers(tmp_path, name, data_dir, output_dir, count, epochs):
+def _workers(tmp_path, name, data_dir, output_dir, count):
     """`count` multi-worker processes on loopback, on ports of their own."""
     cluster = {"worker": [f"127.0.0.1:{port}" for port in free_ports(count)]}
-    return [_start(tmp_path, f"{name}{index}", data_dir, output_dir, "--strategy", "multiworker", epochs=epochs,
+    return [_start(tmp_path, f"{name}{index}", data_dir, output_dir, "--strategy", "multiworker",
                    env={"TF_CONFIG": json.dumps({"cluster": cluster, "task": {"type": "worker", "index": index}})})
             for index in range(count)]
 
@@ -60,7 +61,7 @@ def _wait_for_backup(worker, backup_dir, wanted):
 
 
 def _preempted(workers):
-    for worker, rc in zip(workers, finish(workers, timeout=WAIT_SECONDS)):
+    for worker, rc in zip(workers, finish(workers, timeout=EXIT_SECONDS)):
         assert rc == EXIT_PREEMPTED, worker.stderr[-3000:]
         assert worker.last_stderr_line.startswith("error: pre-empted (SIGTERM)"), worker.stderr[-3000:]
         assert "Traceback" not in worker.stderr
@@ -84,11 +85,11 @@ def _assert_resumed_at(worker, position, now_batch):
     assert line in worker.stdout, worker.stdout[-3000:]
 
 
-def _assert_each_image_once(segments, epochs=EPOCHS):
+def _assert_each_image_once(segments):
     """`segments`: for each process in turn, (first position, last position, global batch). Rebuilds from
     data.index_batches the batches each process trained and checks, epoch by epoch, that together they are
     that epoch's seeded order: every training image once, none skipped, none twice."""
-    trained = {epoch: [] for epoch in range(epochs)}
+    trained = {epoch: [] for epoch in range(EPOCHS)}
     for (first_epoch, first_image), (last_epoch, last_image), batch in segments:
         for epoch in range(first_epoch, last_epoch + (1 if last_image else 0)):
             start = first_image if epoch == first_epoch else 0
@@ -112,12 +113,12 @@ def _rates(stdout):
     return {int(m[1]): float(m[2]) for m in re.finditer(r"Learning rate for epoch (\d+) is (\S+)", stdout)}
 
 
-def _assert_rates_on_schedule(stdout, *, global_batch, warmup_epochs):
+def _assert_rates_on_schedule(stdout, *, global_batch, scale_lr, warmup_epochs=0):
     """Each epoch's printed rate is what an uninterrupted run at this global batch applies at that epoch's end."""
     steps = data.steps_per_epoch(NUM_TRAIN, global_batch)
-    rates = _rates(stdout)
-    for epoch, rate in rates.items():
-        assert rate == pytest.approx(expected_rate(epoch * steps - 1, steps_per_epoch=steps, scale=global_batch / 64,
+    scale = callbacks.learning_rate_scale(global_batch, scale_lr)
+    for epoch, rate in _rates(stdout).items():
+        assert rate == pytest.approx(expected_rate(epoch * steps - 1, steps_per_epoch=steps, scale=scale,
                                                    warmup_epochs=warmup_epochs), rel=1e-6), epoch
 
 
@@ -169,10 +170,22 @@ def test_the_scaled_decay_counts_this_runs_epochs_not_the_optimizers_steps():
     assert float(rate(last_of_epoch_2 + 1)) == pytest.approx(1e-4, rel=1e-6)
 
 
+def test_a_backup_without_a_record_is_refused_not_guessed(tmp_path):
+    import tensorflow as tf
+
+    # A backup as Keras alone writes it: its counters are steps of a global batch it does not name.
+    checkpoint = tf.train.Checkpoint(ckpt_saved_epoch=tf.Variable(1, dtype=tf.int64),
+                                     ckpt_saved_batch=tf.Variable(449, dtype=tf.int64))
+    tf.train.CheckpointManager(checkpoint, str(tmp_path / "backup" / resume.CHIEF_BACKUP), max_to_keep=1).save()
+    with pytest.raises(UsageError, match="does not record what its position means.*--overwrite"):
+        resume.read(str(tmp_path / "backup"))
+    assert resume.read(str(tmp_path / "none")) is None
+
+
 def test_one_replica_to_two_and_the_resized_run_killed(tmp_path, resume_data_dir):
     output_dir = str(tmp_path / "out")
     backup_dir = os.path.join(output_dir, "backup")
-    scaled = ["--scale-lr"]
+    scaled = ["--scale-lr", "--warmup-epochs", "2"]
 
     # One replica (global batch 16), pre-empted inside epoch 2.
     (one,) = [_start(tmp_path, "one", resume_data_dir, output_dir, *scaled)]
@@ -202,10 +215,11 @@ def test_one_replica_to_two_and_the_resized_run_killed(tmp_path, resume_data_dir
     _assert_each_image_once([((0, 0), (first.epoch, first.image), BATCH),
                              ((first.epoch, first.image), (second.epoch, second.image), 2 * BATCH),
                              ((second.epoch, second.image), (EPOCHS, 0), 2 * BATCH)])
-    # The scaled rate follows the new global batch, and its decay counts epochs, not the optimizer's steps.
+    # The scale follows the new global batch, and epoch 2 ends at the warm-up's point of a run that always had
+    # two replicas: the optimizer's step count (100 steps an epoch, then 50) would put it further on.
     assert sorted(_rates(again.stdout)) == list(range(second.epoch + 1, EPOCHS + 1))
     for worker in (two, again):
-        _assert_rates_on_schedule(worker.stdout, global_batch=2 * BATCH, warmup_epochs=0)
+        _assert_rates_on_schedule(worker.stdout, global_batch=2 * BATCH, scale_lr=True, warmup_epochs=2)
 
 
 def test_two_replicas_to_one_after_sigkill_keeps_the_warmup_on_epochs(tmp_path, resume_data_dir):
@@ -213,58 +227,65 @@ def test_two_replicas_to_one_after_sigkill_keeps_the_warmup_on_epochs(tmp_path, 
     backup_dir = os.path.join(output_dir, "backup")
     scaled = ["--scale-lr", "--warmup-epochs", "2"]
 
-    epochs = 2
-    (two,) = [_start(tmp_path, "two", resume_data_dir, output_dir, "--cpu-replicas", "2", *scaled, epochs=epochs)]
+    (two,) = [_start(tmp_path, "two", resume_data_dir, output_dir, "--cpu-replicas", "2", *scaled)]
     _wait_for_backup(two, backup_dir, lambda p: p.epoch == 1 and p.image > 0)
     two.proc.send_signal(signal.SIGKILL)
     two.proc.wait(timeout=60)
     first = resume.read(backup_dir)
 
-    (one,) = workers = [_start(tmp_path, "one", resume_data_dir, output_dir, *scaled, epochs=epochs)]
+    (one,) = workers = [_start(tmp_path, "one", resume_data_dir, output_dir, *scaled)]
     results = _finished(workers, output_dir)
     _assert_resumed_at(one, first, BATCH)
     assert results["resumed_after_images"] == _trained(first)
-    assert results["resumed_after_images"] + results["train_images"] == epochs * NUM_TRAIN
+    assert results["resumed_after_images"] + results["train_images"] == EPOCHS * NUM_TRAIN
     _assert_each_image_once([((0, 0), (first.epoch, first.image), 2 * BATCH),
-                             ((first.epoch, first.image), (epochs, 0), BATCH)], epochs)
+                             ((first.epoch, first.image), (EPOCHS, 0), BATCH)])
     # Epoch 2 ends mid-ramp at the ramp's point of a run that always had one replica (the optimizer's step
     # count, 50 steps an epoch and then 100, would put it elsewhere).
     assert sorted(_rates(one.stdout)) == [2]
-    _assert_rates_on_schedule(one.stdout, global_batch=BATCH, warmup_epochs=2)
+    _assert_rates_on_schedule(one.stdout, global_batch=BATCH, scale_lr=True, warmup_epochs=2)
 
 
 def test_two_workers_to_one_and_back_to_two(tmp_path, resume_data_dir):
     output_dir = str(tmp_path / "out")
     backup_dir = os.path.join(output_dir, "backup")
-    epochs = 2
 
-    # Two workers (global batch 32); the non-chief is pre-empted inside epoch 2, and both stop.
-    workers = _workers(tmp_path, "pair", resume_data_dir, output_dir, 2, epochs)
-    workers[0].wait_for(f"Epoch 2/{epochs}")
+    # Two workers (global batch 32); the non-chief is pre-empted inside epoch 2, and the chief learns of it
+    # through the all-reduce: both save at the same step, name it, and exit 143.
+    workers = _workers(tmp_path, "pair", resume_data_dir, output_dir, 2)
+    workers[0].wait_for(f"Epoch 2/{EPOCHS}")
     workers[1].proc.send_signal(signal.SIGTERM)
     _preempted(workers)
     first = resume.read(backup_dir)
-    assert first.epoch == 1 and first.settings.global_batch == 2 * BATCH
+    assert first.epoch == 1 and 0 < first.image < NUM_TRAIN and first.settings.global_batch == 2 * BATCH
+    for worker in workers:
+        assert f"saved at epoch 2, image {first.image:,} of {NUM_TRAIN:,};" in worker.last_stderr_line
 
     # One worker (global batch 16) goes on, and is pre-empted once it has backed up some of its own.
-    (single,) = workers = _workers(tmp_path, "single", resume_data_dir, output_dir, 1, epochs)
+    (single,) = workers = _workers(tmp_path, "single", resume_data_dir, output_dir, 1)
     _wait_for_backup(single, backup_dir, lambda p: _trained(p) > _trained(first))
     single.proc.send_signal(signal.SIGTERM)
     _preempted(workers)
     _assert_resumed_at(single, first, BATCH)
     second = resume.read(backup_dir)
-    assert second.settings.global_batch == BATCH and _trained(second) < epochs * NUM_TRAIN
+    assert second.settings.global_batch == BATCH and _trained(second) < EPOCHS * NUM_TRAIN
 
     # Two workers again finish the run.
-    workers = _workers(tmp_path, "again", resume_data_dir, output_dir, 2, epochs)
+    workers = _workers(tmp_path, "again", resume_data_dir, output_dir, 2)
     results = _finished(workers, output_dir)
+    assert results["replicas"] == 2
     for worker in workers:
         _assert_resumed_at(worker, second, 2 * BATCH)
     assert results["resumed_after_images"] == _trained(second)
-    assert results["resumed_after_images"] + results["train_images"] == epochs * NUM_TRAIN
+    assert results["resumed_after_images"] + results["train_images"] == EPOCHS * NUM_TRAIN
     _assert_each_image_once([((0, 0), (first.epoch, first.image), 2 * BATCH),
                              ((first.epoch, first.image), (second.epoch, second.image), BATCH),
-                             ((second.epoch, second.image), (epochs, 0), 2 * BATCH)], epochs)
+                             ((second.epoch, second.image), (EPOCHS, 0), 2 * BATCH)])
+    # Without --scale-lr, the tutorial's schedule by epoch number, whatever the global batch.
+    _assert_rates_on_schedule(single.stdout, global_batch=BATCH, scale_lr=False)
+    for worker in workers:
+        assert sorted(_rates(worker.stdout)) == [EPOCHS]
+        _assert_rates_on_schedule(worker.stdout, global_batch=2 * BATCH, scale_lr=False)
 
 
 # ---------------------------------------------------------------- what a restart may not change
