@@ -1,6 +1,7 @@
 """Pre-emption and mid-epoch resume: SIGTERM saves at the next step boundary and exits 143, a SIGKILL loses at
 most --backup-every-steps steps, and either way the same command resumes at the saved step and ends with the
-weights of a run never interrupted, bit for bit."""
+weights of a run never interrupted, bit for bit. SIGTERM to one of two workers is in test_resize.py, whose
+workers then resume on another cluster size."""
 
 import json
 import os
@@ -12,7 +13,7 @@ import pytest
 
 import resume
 from config import EXIT_PREEMPTED
-from conftest import Worker, final_weights, finish, free_ports, run_entrypoint
+from conftest import Worker, final_weights, finish, run_entrypoint
 
 EPOCHS = 3
 BATCH = 8
@@ -115,42 +116,4 @@ def test_sigkill_mid_epoch_resumes_at_the_last_backup_bit_identical(tmp_path, re
     _assert_resumed_inside_epoch_2(resumed, results)
     assert results["resumed_from_step"] >= STEPS + position[1]  # at the backup seen, or a later one
     _assert_bit_identical(output_dir, uninterrupted)
-
-
-def test_sigterm_to_one_of_two_workers_stops_both_with_143(tmp_path, resume_data_dir):
-    cluster = {"worker": [f"127.0.0.1:{port}" for port in free_ports(2)]}
-    output_dir = str(tmp_path / "out")
-
-    def start_workers(attempt):
-        return [Worker(_args(resume_data_dir, output_dir, "--strategy", "multiworker"),
-                       {"TF_CONFIG": json.dumps({"cluster": cluster, "task": {"type": "worker", "index": index}})},
-                       tmp_path, f"worker{index}-{attempt}")
-                for index in range(2)]
-
-    workers = start_workers(1)
-    try:
-        workers[0].wait_for(f"Epoch 2/{EPOCHS}")
-        workers[1].proc.send_signal(signal.SIGTERM)  # the non-chief: the chief learns of it through the all-reduce
-    finally:
-        finish(workers, timeout=EXIT_SECONDS)
-    errors = [w.stderr for w in workers]
-    for w, err in zip(workers, errors):
-        assert w.returncode == EXIT_PREEMPTED, err[-3000:]
-        assert err.strip().splitlines()[-1].startswith("error: pre-empted (SIGTERM)")
-    # Both stopped at the same step: the one the chief saved and both name.
-    global_batch = 2 * BATCH
-    steps = 1600 // global_batch
-    position = resume.read(os.path.join(output_dir, "backup"))
-    epoch, step = position.epoch, position.image // global_batch
-    assert epoch == 1 and 0 < step < steps
-    for err in errors:
-        assert f"saved at epoch 2, image {position.image:,} of 1,600;" in err
-
-    workers = start_workers(2)
-    finish(workers, timeout=600)
-    for w in workers:
-        assert w.returncode == 0, w.stderr[-3000:]
-    with open(os.path.join(output_dir, "results.json")) as f:
-        results = json.load(f)
-    assert results["resumed_from_step"] == steps + step and results["replicas"] == 2
 
