@@ -204,27 +204,31 @@ def run_entrypoint(args, directory, env=None, timeout=600):
     return worker
 
 
-def backed_up_step(backup_dir, steps_per_epoch):
-    """The global step a run resumes at from `backup_dir`, or None while its checkpoint is being replaced."""
-    import callbacks
+def backed_up_images(backup_dir):
+    """The training images the backup in `backup_dir` has trained (0 without one), or None while its checkpoint
+    is being replaced."""
+    import resume
 
     try:
-        epoch, step = callbacks.backed_up_position(backup_dir, steps_per_epoch)
+        position = resume.read(backup_dir)
     except Exception:  # noqa: BLE001 - read while the checkpoint was being replaced; look again
         return None
-    return epoch * steps_per_epoch + step
+    return position.epoch * position.settings.epoch_images + position.image if position else 0
 
 
-def resumed_steps(output, steps_per_epoch):
-    """The global step named by each "Resuming from the backup ... at epoch E, step S" line of `output`."""
-    return [(int(epoch) - 1) * steps_per_epoch + int(step)
-            for epoch, step in re.findall(r"Resuming from the backup in \S+ at epoch (\d+), step (\d+)", output)]
+def images_at(output, what):
+    """The training images done at each "<what> ... at epoch E, image I of N" in `output`: (E - 1) x N + I. The
+    run says so where it stops after SIGTERM ("pre-empted (SIGTERM)") and where it resumes ("Resuming from")."""
+    number = r"(\d[\d,]*)"
+    found = re.findall(re.escape(what) + rf"[^\n]*? at epoch {number}, image {number} of {number}", output)
+    return [(int(epoch) - 1) * int(size.replace(",", "")) + int(image.replace(",", ""))
+            for epoch, image, size in found]
 
 
-def wait_for_backup_after(backup_dir, steps_per_epoch, step, running):
-    """Returns once a backup past global step `step` is on disk; fails if `running()` turns false first."""
-    while (backed_up_step(backup_dir, steps_per_epoch) or 0) <= step:
-        assert running(), f"the run ended before a backup past step {step}"
+def wait_for_backup_after(backup_dir, images, running):
+    """Returns once a backup past `images` training images is on disk; fails if `running()` turns false first."""
+    while (backed_up_images(backup_dir) or 0) <= images:
+        assert running(), f"the run ended before a backup past image {images}"
         time.sleep(0.1)
 
 

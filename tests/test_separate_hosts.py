@@ -11,10 +11,10 @@ import pytest
 
 import config
 import netns
-from conftest import Worker, backed_up_step, resumed_steps, skip_unless_ci, started, wait_for_backup_after
+from conftest import Worker, backed_up_images, images_at, skip_unless_ci, started, wait_for_backup_after
 
 BATCH = 8
-STEPS = 1600 // (2 * BATCH)  # the resume data's 1,600 training images on two replicas: 100 steps an epoch
+EPOCH_IMAGES = 1600  # the resume data's training images: on two replicas, 100 steps an epoch
 EPOCHS = 2
 FLAGS = ["--strategy", "multiworker", "--epochs", str(EPOCHS), "--batch-size-per-replica", str(BATCH),
          "--steps-per-execution", "5", "--backup-every-steps", "10"]
@@ -62,7 +62,7 @@ class Partition:
         self.first = start_workers(hosts, args, folder, 1)
         try:
             # Mid-epoch: a backup inside epoch 2 is on disk.
-            wait_for_backup_after(backup_dir, STEPS, STEPS,
+            wait_for_backup_after(backup_dir, EPOCH_IMAGES,
                                   running=lambda: all(w.proc.poll() is None for w in self.first))
             hosts.link(1, "down")
             self.ends = wait_for_ends(self.first, RUN_SECONDS, since=time.monotonic())
@@ -70,7 +70,7 @@ class Partition:
             for w in self.first:
                 w.proc.kill()
                 w.proc.wait()
-        self.last_backup = backed_up_step(backup_dir, STEPS)
+        self.last_backup = backed_up_images(backup_dir)
         self.finished_early = os.path.exists(os.path.join(self.output_dir, "results.json"))
 
         hosts.link(1, "up")
@@ -108,6 +108,6 @@ def test_both_restarted_resume_at_the_last_backup_and_finish_together(partition)
     with open(os.path.join(partition.output_dir, "results.json")) as f:
         results = json.load(f)
     assert results["replicas"] == 2
-    assert results["resumed_from_step"] == partition.last_backup > STEPS
+    assert results["resumed_after_images"] == partition.last_backup > EPOCH_IMAGES
     for worker in partition.again:
-        assert resumed_steps(worker.stdout, STEPS) == [partition.last_backup]
+        assert images_at(worker.stdout, "Resuming from the backup") == [partition.last_backup]

@@ -1,8 +1,8 @@
 """Real Slurm: deploy/slurm.sbatch sent with sbatch to Debian's own slurmctld and slurmd (tests/slurm_cluster.py).
 
 On one node running two tasks, three jobs in a row share one --output-dir, as a user would send them:
-  1. `scancel --signal=TERM` mid-epoch: every task exits 143 and names the step it saved;
-  2. sent again, it resumes at that step; one task's process is SIGKILLed: the other exits 138 with one line;
+  1. `scancel --signal=TERM` mid-epoch: every task exits 143 and names where it saved;
+  2. sent again, it resumes there; one task's process is SIGKILLed: the other exits 138 with one line;
   3. sent again, it resumes at the last backup and completes with 2 replicas.
 Then two emulated nodes, each in a network namespace of its own (tests/netns.py), train together.
 A job's state comes from `scontrol show job`, each task's exit from srun's lines in the job's output.
@@ -21,13 +21,13 @@ import pytest
 import config
 import netns
 import slurm_cluster
-from conftest import (ROOT, backed_up_step, free_ports, resumed_steps, skip_unless_ci, started,
+from conftest import (ROOT, backed_up_images, free_ports, images_at, skip_unless_ci, started,
                       wait_for_backup_after)
 from slurm_cluster import Node, SlurmCluster, wait_for_text, watch
 
 SCRIPT = "deploy/slurm.sbatch"
 BATCH = 8
-STEPS = 1600 // (2 * BATCH)  # the resume data's 1,600 training images on two replicas: 100 steps an epoch
+EPOCH_IMAGES = 1600  # the resume data's training images: on two replicas, 100 steps an epoch
 EPOCHS = 2
 FLAGS = ["--epochs", str(EPOCHS), "--batch-size-per-replica", str(BATCH), "--steps-per-execution", "5",
          "--backup-every-steps", "10"]
@@ -39,7 +39,6 @@ EXIT_SECONDS = 60  # a generous bound for a signalled job's end on a loaded test
 SLURMCTLD_PORT, SLURMD_PORT = 6817, 6818
 
 # A task's last line may follow an unfinished progress bar on the same line of the job's output.
-SAVED = re.compile(r"error: pre-empted \(SIGTERM\)[^\n]*\(global step (\d+)\)")
 LOST = re.compile(r"error: lost worker 1 of this multi-worker run [^\n]*")
 
 
@@ -90,16 +89,16 @@ class Chain:
         sent = time.monotonic()
         cluster.client("scancel", "--signal=TERM", str(job_id))
         self.jobs["term"] = watch(cluster, job_id, sent, EXIT_SECONDS)
-        self.saved = [int(step) for step in SAVED.findall(self.jobs["term"][1])]
+        self.saved = images_at(self.jobs["term"][1], "error: pre-empted (SIGTERM)")
 
         job_id = submit(cluster, folder, *args, options=ONE_NODE)
         wait_for_text(cluster, job_id, "Resuming from the backup", JOB_SECONDS)
-        wait_for_backup_after(backup_dir, STEPS, max(self.saved, default=0),
+        wait_for_backup_after(backup_dir, max(self.saved, default=0),
                               running=lambda: cluster.job(job_id)["JobState"] == "RUNNING")
         sent = time.monotonic()
         os.kill(cluster.task_pids(job_id, cluster.nodes[0])[1], signal.SIGKILL)
         self.jobs["kill"] = watch(cluster, job_id, sent, EXIT_SECONDS)
-        self.last_backup = backed_up_step(backup_dir, STEPS)
+        self.last_backup = backed_up_images(backup_dir)
 
         job_id = submit(cluster, folder, *args, options=ONE_NODE)
         self.jobs["again"] = watch(cluster, job_id, time.monotonic(), JOB_SECONDS)
@@ -110,21 +109,21 @@ def chain(one_node, tmp_path_factory, resume_data_dir):
     return Chain(one_node, tmp_path_factory.mktemp("slurm_chain"), resume_data_dir)
 
 
-def test_term_mid_epoch_ends_every_task_with_143_naming_the_saved_step(chain):
+def test_term_mid_epoch_ends_every_task_with_143_naming_where_it_saved(chain):
     job, output, exits = chain.jobs["term"]
     print(f"\nscancel --signal=TERM: srun reported {exits} (status, seconds after scancel)")
     assert statuses(exits) == {0: config.EXIT_PREEMPTED, 1: config.EXIT_PREEMPTED}, output[-3000:]
     assert job["JobState"] == "FAILED" and job["ExitCode"] == "143:0"
-    # Both tasks stopped at the same step, inside epoch 2, and say so in their last line.
+    # Both tasks stopped at the same image, inside epoch 2, and say so in their last line.
     assert len(chain.saved) == 2 and len(set(chain.saved)) == 1, output[-3000:]
-    assert STEPS < chain.saved[0] < 2 * STEPS
+    assert EPOCH_IMAGES < chain.saved[0] < 2 * EPOCH_IMAGES
     assert "Traceback" not in output
 
 
-def test_sent_again_it_resumes_at_the_saved_step(chain):
+def test_sent_again_it_resumes_where_it_saved(chain):
     _, output, _ = chain.jobs["kill"]
     # Each task says where it resumed.
-    assert resumed_steps(output, STEPS) == [chain.saved[0]] * 2, output[-3000:]
+    assert images_at(output, "Resuming from the backup") == [chain.saved[0]] * 2, output[-3000:]
 
 
 def test_sigkill_of_one_task_ends_the_other_with_138_and_one_line(chain):
@@ -144,7 +143,7 @@ def test_sent_again_after_the_kill_it_resumes_at_the_last_backup_and_completes(c
     with open(os.path.join(chain.output_dir, "results.json")) as f:
         results = json.load(f)
     assert results["replicas"] == 2 and results["strategy"] == "multiworker"
-    assert results["resumed_from_step"] == chain.last_backup > chain.saved[0]
+    assert results["resumed_after_images"] == chain.last_backup > chain.saved[0]
 
 
 # ---------------------------------------------------------------- a port already taken
