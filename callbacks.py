@@ -3,12 +3,12 @@ schedule, the printed learning rate; plus the backup that lets a killed or pre-e
 tutorial's advice for larger batches (scale the learning rate with the batch, warmed up per step)."""
 
 import os
-import signal
 
 import tensorflow as tf
 
 from config import Preempted
 from model import keras
+from sigterm import Preemption
 
 # The global batch the tutorial's learning rates were chosen for: one replica of 64.
 TUTORIAL_GLOBAL_BATCH = 64
@@ -110,25 +110,6 @@ def backed_up_position(backup_dir, steps_per_epoch):
         return 0, 0
     epoch, step = (int(tf.train.load_variable(latest, name)) for name in (SAVED_EPOCH, SAVED_STEP))
     return (epoch + 1, 0) if step >= steps_per_epoch - 1 else (epoch, step + 1)
-
-
-class Preemption:
-    """SIGTERM, as Kubernetes and Slurm send it before a kill: noted while training, acted on at the next step
-    boundary by `Backup`; at any other moment it ends the run at once, since the backup already holds all
-    the training done."""
-
-    def __init__(self):
-        self.training = False
-        self.requested = False
-
-    def install(self):
-        signal.signal(signal.SIGTERM, self._on_sigterm)
-
-    def _on_sigterm(self, signum, frame):
-        if not self.training:
-            raise Preempted("pre-empted (SIGTERM) outside training; run the same command again to resume "
-                            "after the last backed-up step")
-        self.requested = True
 
 
 def _any_worker(strategy):
