@@ -9,6 +9,8 @@ with a retryable status (README, "Exit codes"); a multi-worker process leaves wi
 """
 
 import contextlib
+import hashlib
+import json
 import os
 import re
 import shutil
@@ -122,17 +124,33 @@ def others(resolver):
             for index, address in enumerate(spec.job_tasks(job)) if (job, index) != (resolver.task_type, resolver.task_id)}
 
 
-def answers(address):
+def knock(address, greeting):
+    """Tells the worker listening at `address` who is here; False if nothing listens there (yet)."""
     try:
-        socket.create_connection(host_port(address), timeout=KNOCK_TIMEOUT_SECONDS).close()
+        with socket.create_connection(host_port(address), timeout=KNOCK_TIMEOUT_SECONDS) as door:
+            door.sendall(greeting)
         return True
     except OSError:  # refused, unreachable, or a name the DNS does not know yet (a pod not up)
         return False
 
 
+def greetings(listener):
+    """The greetings of the knocks waiting at `listener`."""
+    heard = set()
+    while True:
+        try:
+            door, _ = listener.accept()
+        except BlockingIOError:
+            return heard
+        with door:
+            door.settimeout(KNOCK_TIMEOUT_SECONDS)
+            with contextlib.suppress(OSError):
+                heard.add(door.recv(1024))
+
+
 def never_came(missing, seconds):
     names = ", ".join(f"{name} ({address})" for name, address in missing.items()) or "the other workers"
-    return (f"the cluster did not form within {seconds} s: no answer from {names}; check that every worker was "
+    return (f"the cluster did not form within {seconds} s: never heard from {names}; check that every worker was "
             "started and reaches this one, then restart them all with the same command (or raise --cluster-timeout)")
 
 
@@ -143,13 +161,19 @@ def port_taken(resolver, err):
 
 
 def wait_for_others(resolver, timeout):
-    """Listens on this worker's port and returns once every other worker's port answers; raises ClusterNotFormed
-    when this port is taken, or after `timeout` seconds naming those that never answered.
+    """Listens on this worker's port and returns once every other worker has knocked on it; raises
+    ClusterNotFormed when this port is taken, or after `timeout` seconds naming those that never knocked.
 
     TensorFlow's own wait (the strategy's constructor) blocks in C++ with Python's GIL held, so neither SIGTERM
-    nor Ctrl-C reaches the program there; here the wait is Python's. Every worker listens first, so that the
-    others see it waiting, and hands the port to TensorFlow's server only when all are there.
+    nor Ctrl-C reaches the program there; here the wait is Python's. Each worker knocks on every other's port,
+    saying who it is and which cluster it belongs to, until all have knocked on its own; a port that merely
+    accepts connections (another job's server, say) counts for nothing. A worker hands its port to TensorFlow only
+    once all have knocked, and it knocked on each of them before that, so none is left waiting for it.
     """
+    names = others(resolver)
+    cluster_id = hashlib.sha256(json.dumps(resolver.cluster_spec().as_dict(), sort_keys=True).encode()).hexdigest()
+    greeting = f"{cluster_id} {resolver.task_type} {resolver.task_id}".encode()
+    expected = {f"{cluster_id} {name}".encode(): name for name in names}
     with socket.socket() as listener:
         # As TensorFlow's server binds: every interface, TIME_WAIT leftovers of an earlier run allowed.
         listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -159,18 +183,18 @@ def wait_for_others(resolver, timeout):
             raise ClusterNotFormed(port_taken(resolver, err.strerror)) from None
         listener.listen()
         listener.setblocking(False)
-        missing = others(resolver)
+        missing = dict(names)
         deadline = time.monotonic() + timeout
         while True:
-            missing = {name: address for name, address in missing.items() if not answers(address)}
+            for address in names.values():
+                knock(address, greeting)
+            for heard in greetings(listener):
+                missing.pop(expected.get(heard), None)
             if not missing:
                 return
             if time.monotonic() >= deadline:
                 raise ClusterNotFormed(never_came(missing, timeout))
             time.sleep(KNOCK_SECONDS)
-            with contextlib.suppress(BlockingIOError):
-                while True:  # the others' knocks; never let them fill the backlog
-                    listener.accept()[0].close()
 
 
 def coordinate(resolver):
