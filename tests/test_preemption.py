@@ -129,8 +129,13 @@ def test_sigterm_to_one_of_two_workers_stops_both_with_143(tmp_path, resume_data
     try:
         workers[0].wait_for(f"Epoch 2/{EPOCHS}")
         workers[1].proc.send_signal(signal.SIGTERM)  # the non-chief: the chief learns of it through the all-reduce
+        exits = _exit_seconds(workers, since=time.monotonic())
     finally:
         finish(workers, timeout=EXIT_SECONDS)
+    # The workers leave together (within 5 s of the first, asked; 16-22 s apart before they left without
+    # TensorFlow's teardown); the bound here is only a generous guard for a loaded machine.
+    print(f"SIGTERM to worker 1 of 2: exits {exits[0]:.2f} s and {exits[1]:.2f} s after it")
+    assert abs(exits[0] - exits[1]) < EXIT_SECONDS / 4
     errors = [w.stderr for w in workers]
     for w, err in zip(workers, errors):
         assert w.returncode == EXIT_PREEMPTED, err[-3000:]
@@ -150,6 +155,17 @@ def test_sigterm_to_one_of_two_workers_stops_both_with_143(tmp_path, resume_data
     with open(os.path.join(output_dir, "results.json")) as f:
         results = json.load(f)
     assert results["resumed_from_step"] == steps + step and results["replicas"] == 2
+
+
+def _exit_seconds(workers, since):
+    """Seconds from `since` to each worker's exit (EXIT_SECONDS for one still running then)."""
+    exits = [None] * len(workers)
+    while None in exits and time.monotonic() - since < EXIT_SECONDS:
+        for i, w in enumerate(workers):
+            if exits[i] is None and w.proc.poll() is not None:
+                exits[i] = time.monotonic() - since
+        time.sleep(0.05)
+    return [EXIT_SECONDS if e is None else e for e in exits]
 
 
 def test_images_in_steps_counts_each_epochs_short_last_batch():
