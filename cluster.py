@@ -9,6 +9,7 @@ with a retryable status (README, "Exit codes"); a multi-worker process leaves wi
 """
 
 import contextlib
+import gc
 import hashlib
 import json
 import os
@@ -149,9 +150,15 @@ def greetings(listener):
 
 
 def never_came(missing, seconds):
-    names = ", ".join(f"{name} ({address})" for name, address in missing.items()) or "the other workers"
+    names = ", ".join(f"{name} ({address})" for name, address in missing.items())
     return (f"the cluster did not form within {seconds} s: never heard from {names}; check that every worker was "
             "started and reaches this one, then restart them all with the same command (or raise --cluster-timeout)")
+
+
+def not_registered(missing):
+    names = ", ".join(f"{name} ({address})" for name, address in missing.items()) or "the other workers"
+    return (f"the cluster did not form: TensorFlow's registration gave up after {REGISTER_SECONDS} s waiting for "
+            f"{names}, which had knocked; restart every worker with the same command")
 
 
 def port_taken(resolver, err):
@@ -219,18 +226,21 @@ def form(resolver, make_strategy, tf, *, timeout, verbose):
 
     wait_for_others(resolver, timeout)
     coordinate(resolver)
-    # TensorFlow logs its failures here as several C++ lines; the error line below says it in one.
+    # TensorFlow logs its failures here as several C++ lines, and again as it frees what it had started (hence the
+    # collection inside); the error line says it in one.
     with terminal.startup_output_held(verbose, explained=ClusterNotFormed):
         try:
             return make_strategy()
         except tf.errors.DeadlineExceededError as err:
             missing = {f"{job} {task}": resolver.cluster_spec().task_address(job, int(task))
                        for job, task in PEER_TASK.findall(err.message.split("timed out task names:")[-1])}
-            raise ClusterNotFormed(never_came(missing, REGISTER_SECONDS)) from None
+            failure = not_registered(missing)
         except tf.errors.UnknownError as err:
             if "Could not start gRPC server" not in err.message:
                 raise
-            raise ClusterNotFormed(port_taken(resolver, "taken after this worker's check")) from None
+            failure = port_taken(resolver, "taken after this worker's check")
+        gc.collect()
+        raise ClusterNotFormed(failure)
 
 
 def started():
