@@ -11,7 +11,8 @@ import os
 import re
 import signal
 import socket
-import threading
+import subprocess
+import sys
 import time
 
 import pytest
@@ -19,7 +20,7 @@ import pytest
 import cluster
 import config
 import sigterm
-from conftest import Worker, finish, free_ports
+from conftest import ROOT, Worker, finish, free_ports, subprocess_env
 
 TIMEOUT = 5  # --cluster-timeout of these tests, seconds
 # Generous bounds on a loaded 2-core machine (6 agents share it): TensorFlow alone takes 5-15 s to load.
@@ -119,28 +120,43 @@ def test_progress_figures_mid_epoch_are_those_of_one_replica(two_workers):
     assert accuracies and all(0 <= a <= 1 for a in accuracies), shown
 
 
-# ---------------------------------------------------------------- pieces, in this process
+# ---------------------------------------------------------------- SIGTERM's thread, in a small process of its own
 
-def test_sigterm_outside_training_raises_preempted_in_the_main_thread():
-    with pytest.raises(config.Preempted, match="outside training"):
-        with sigterm.watched():
-            os.kill(os.getpid(), signal.SIGTERM)
-            deadline = time.monotonic() + EXIT_SECONDS
-            while time.monotonic() < deadline:  # Python lines, where the interrupt lands
-                time.sleep(0.05)
+# Each runs in a fresh Python (no TensorFlow) with real signals: in pytest's own process, threads that other tests
+# started before SIGTERM was blocked could take the signal instead.
+WATCHED = """
+import os, signal, sys, time
+import config, sigterm
+with sigterm.watched() as preemption:
+    preemption.training = {training}
+    os.kill(os.getpid(), signal.SIGTERM)
+    {then}
+"""
+
+
+def run_watched(training, then):
+    code = WATCHED.format(training=training, then=then)
+    return subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=subprocess_env(), capture_output=True,
+                          text=True, timeout=EXIT_SECONDS)
 
 
 def test_sigterm_while_training_is_noted_for_the_next_step_boundary():
-    with sigterm.watched() as preemption:
-        preemption.training = True
-        os.kill(os.getpid(), signal.SIGTERM)
-        deadline = time.monotonic() + EXIT_SECONDS
-        while not preemption.requested and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert preemption.requested
-    # The watcher is gone and SIGTERM is this thread's again, as before.
-    assert not any(t.name == "sigterm" for t in threading.enumerate())
-    assert signal.SIGTERM not in signal.pthread_sigmask(signal.SIG_BLOCK, [])
+    proc = run_watched(True, "while not preemption.requested: time.sleep(0.05)\n    print('noted')")
+    assert proc.returncode == 0 and proc.stdout == "noted\n", proc.stderr
+
+
+def test_sigterm_outside_training_raises_preempted_in_the_main_thread():
+    proc = run_watched(False, "time.sleep(0.5)\n    time.sleep(0.5)")  # the interrupt lands between the two
+    assert proc.returncode == 1 and proc.stderr.strip().endswith(f"config.Preempted: {sigterm.OUTSIDE_TRAINING}")
+
+
+def test_sigterm_ends_the_process_when_the_main_thread_is_stuck_in_c():
+    started = time.monotonic()
+    proc = run_watched(False, "time.sleep(60)")  # one C call that does not return: the interrupt cannot land
+    seconds = time.monotonic() - started
+    assert proc.returncode == config.EXIT_PREEMPTED
+    assert proc.stderr == f"error: {sigterm.OUTSIDE_TRAINING}\n"
+    assert seconds < 30
 
 
 def test_slurm_port_base_comes_from_the_job_id():
