@@ -3,11 +3,12 @@ step 1).
 
 `--strategy multiworker` reads its cluster from TF_CONFIG (Kubeflow's TFJob writes it) or, without it, from the
 variables Slurm's srun sets for each task. Each worker warns that its port is open, waits (interruptibly, and no
-longer than --cluster-timeout) until every other worker answers, and only then lets TensorFlow form the cluster. A
+longer than --cluster-timeout) until every other worker has knocked, and only then lets TensorFlow form the cluster. A
 cluster that cannot form, and a run that loses a worker, are told apart from any other failure so that they exit
 with a retryable status (README, "Exit codes"); a multi-worker process leaves without TensorFlow's teardown.
 """
 
+import atexit
 import contextlib
 import gc
 import hashlib
@@ -24,10 +25,10 @@ from config import EXIT_OK, ClusterNotFormed, UsageError
 
 # The jobs of TF_CONFIG whose tasks train together (TensorFlow's coordination service registers these two).
 TRAINING_JOBS = ("chief", "worker")
-# How often a waiting worker knocks on the ports of those not there yet, and how long one knock may take.
+# How often a waiting worker knocks on the other workers' ports, and how long one knock may take.
 KNOCK_SECONDS = 0.25
 KNOCK_TIMEOUT_SECONDS = 0.5
-# Once every worker answered, TensorFlow's own registration takes a second or two; this bounds it, should a worker
+# Once every worker has knocked, TensorFlow's own registration takes a second or two; this bounds it, should a worker
 # die in between (TensorFlow's default is an hour, with the main thread deaf to signals all along).
 REGISTER_SECONDS = 60
 # At the end of a successful run every worker waits for the others (at most this long) before leaving, so that
@@ -96,9 +97,7 @@ def slurm_node_has_gpus():
 
 def warn_open_port(resolver):
     """TensorFlow's gRPC server binds every interface, whatever host the cluster names, and checks no identity."""
-    task_type, task_id = resolver.task_type, resolver.task_id
-    address = resolver.cluster_spec().task_address(task_type, task_id)
-    port = int(address.rsplit(":", 1)[1])
+    task_type, task_id, port = resolver.task_type, resolver.task_id, own_port(resolver)
     if not 1 <= port <= config.MAX_PORT:
         raise UsageError(f"{task_type} {task_id} would listen on port {port}, which does not exist; "
                          "choose a lower --slurm-port-base, or fix the ports in TF_CONFIG")
@@ -264,6 +263,8 @@ def leave(status):
 
         with contextlib.suppress(Exception):  # a worker gone by now: this one has finished all the same
             context.context().wait_at_barrier(EXIT_BARRIER, EXIT_BARRIER_SECONDS * 1000)
+    # The exit handlers still run: autograph's removes the files it generated under TMPDIR.
+    atexit._run_exitfuncs()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(status)
