@@ -3,7 +3,7 @@
 Real processes on loopback: a worker whose peer never comes exits 138 within --cluster-timeout naming it; a taken
 port is one line; SIGTERM during the wait is 143 within seconds; a successful two-worker run logs no errors and its
 progress bar shows figures a single replica could (accuracy in [0, 1]) mid-epoch. The SIGTERM mid-training case is
-in test_preemption.py.
+in test_resize.py (the first pair of workers).
 """
 
 import json
