@@ -3,13 +3,13 @@ schedule, the printed learning rate; plus the backup that lets a killed or pre-e
 tutorial's advice for larger batches (scale the learning rate with the batch, warmed up per step)."""
 
 import os
-import signal
 
 import tensorflow as tf
 
 import resume
 from config import Preempted
 from model import keras
+from sigterm import Preemption
 
 # The global batch the tutorial's learning rates were chosen for: one replica of 64.
 TUTORIAL_GLOBAL_BATCH = 64
@@ -97,25 +97,6 @@ class LogLR(keras.callbacks.Callback):
 
 
 # ---------------------------------------------------------------- pre-emption and the backup
-
-class Preemption:
-    """SIGTERM, as Kubernetes and Slurm send it before a kill: noted while training, acted on at the next step
-    boundary by `Backup`; at any other moment it ends the run at once, since the backup already holds all
-    the training done."""
-
-    def __init__(self):
-        self.training = False
-        self.requested = False
-
-    def install(self):
-        signal.signal(signal.SIGTERM, self._on_sigterm)
-
-    def _on_sigterm(self, signum, frame):
-        if not self.training:
-            raise Preempted("pre-empted (SIGTERM) outside training; run the same command again to resume "
-                            "after the last backed-up step")
-        self.requested = True
-
 
 def _any_worker(strategy):
     """A function telling whether any worker's flag is up: an all-reduce, so all workers stop at one step."""

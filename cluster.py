@@ -1,17 +1,40 @@
-"""Where the workers come from, and how a lost one is recognised (beside the tutorial's step 1).
+"""Where the workers come from, how they come together, and how a lost one is recognised (beside the tutorial's
+step 1).
 
 `--strategy multiworker` reads its cluster from TF_CONFIG (Kubeflow's TFJob writes it) or, without it, from the
-variables Slurm's srun sets for each task. Each worker warns that its port is open, and a run that loses a worker
-is told apart from any other failure so that it can exit with a retryable status (README, "Exit codes").
+variables Slurm's srun sets for each task. Each worker warns that its port is open, waits (interruptibly, and no
+longer than --cluster-timeout) until every other worker has knocked, and only then lets TensorFlow form the cluster. A
+cluster that cannot form, and a run that loses a worker, are told apart from any other failure so that they exit
+with a retryable status (README, "Exit codes"); a multi-worker process leaves without TensorFlow's teardown.
 """
 
+import atexit
+import contextlib
+import gc
+import hashlib
+import json
 import os
 import re
 import shutil
+import socket
 import sys
+import time
 
 import config
-from config import UsageError
+from config import EXIT_OK, ClusterNotFormed, UsageError
+
+# The jobs of TF_CONFIG whose tasks train together (TensorFlow's coordination service registers these two).
+TRAINING_JOBS = ("chief", "worker")
+# How often a waiting worker knocks on the other workers' ports, and how long one knock may take.
+KNOCK_SECONDS = 0.25
+KNOCK_TIMEOUT_SECONDS = 0.5
+# Once every worker has knocked, TensorFlow's own registration takes a second or two; this bounds it, should a worker
+# die in between (TensorFlow's default is an hour, with the main thread deaf to signals all along).
+REGISTER_SECONDS = 60
+# At the end of a successful run every worker waits for the others (at most this long) before leaving, so that
+# no worker outlives the one hosting the coordination service and logs its lost heartbeats as errors.
+EXIT_BARRIER = "mnist-mirrored-exit"
+EXIT_BARRIER_SECONDS = 60
 
 
 def cluster_resolver(cfg, tf):
@@ -19,9 +42,10 @@ def cluster_resolver(cfg, tf):
     if os.environ.get("TF_CONFIG"):
         return tf.distribute.cluster_resolver.TFConfigClusterResolver()
     try:
+        port_base = slurm_port_base(cfg.slurm_port_base, os.environ)
         if slurm_node_has_gpus():
             # TensorFlow's resolver counts the node's GPUs and gives each task its share in CUDA_VISIBLE_DEVICES.
-            slurm = tf.distribute.cluster_resolver.SlurmClusterResolver(port_base=cfg.slurm_port_base)
+            slurm = tf.distribute.cluster_resolver.SlurmClusterResolver(port_base=port_base)
             slurm.cluster_spec()
             show_only_gpus(os.environ["CUDA_VISIBLE_DEVICES"], tf)
             return slurm
@@ -29,7 +53,7 @@ def cluster_resolver(cfg, tf):
         # give it one share per task, keep its cluster and task, and tell the strategy there are no GPUs.
         tasks = int(os.environ["SLURM_STEP_NUM_TASKS"])
         slurm = tf.distribute.cluster_resolver.SlurmClusterResolver(
-            port_base=cfg.slurm_port_base, gpus_per_node=tasks, gpus_per_task=1, auto_set_gpu=False)
+            port_base=port_base, gpus_per_node=tasks, gpus_per_task=1, auto_set_gpu=False)
         cluster = slurm.cluster_spec()
         task_type, task_id = slurm.get_task_info()
         return tf.distribute.cluster_resolver.SimpleClusterResolver(
@@ -38,6 +62,17 @@ def cluster_resolver(cfg, tf):
         # TensorFlow's resolver raises these for host or tasks-per-node lists it cannot read, or that disagree.
         raise UsageError(f"the Slurm variables do not describe this job step ({err}); start one task per worker "
                          "with srun inside the job (docs/clusters.md, \"Slurm\"), or set TF_CONFIG") from None
+
+
+def slurm_port_base(chosen, environ):
+    """--slurm-port-base if given, else a block of ports of the job's own (config.SLURM_PORT_FIRST), so that two
+    jobs sharing a node do not both take TensorFlow's 8888."""
+    if chosen is not None:
+        return chosen
+    job = environ.get("SLURM_JOB_ID", "0")
+    if not job.isdigit():
+        raise UsageError(f"SLURM_JOB_ID={job!r} is not a job number; give the ports with --slurm-port-base")
+    return config.SLURM_PORT_FIRST + config.SLURM_PORTS_PER_JOB * (int(job) % config.SLURM_PORT_SLOTS)
 
 
 def show_only_gpus(share, tf):
@@ -62,15 +97,177 @@ def slurm_node_has_gpus():
 
 def warn_open_port(resolver):
     """TensorFlow's gRPC server binds every interface, whatever host the cluster names, and checks no identity."""
-    task_type, task_id = resolver.task_type, resolver.task_id
-    address = resolver.cluster_spec().task_address(task_type, task_id)
-    port = int(address.rsplit(":", 1)[1])
+    task_type, task_id, port = resolver.task_type, resolver.task_id, own_port(resolver)
     if not 1 <= port <= config.MAX_PORT:
         raise UsageError(f"{task_type} {task_id} would listen on port {port}, which does not exist; "
                          "choose a lower --slurm-port-base, or fix the ports in TF_CONFIG")
     print(f"warning: {task_type} {task_id} listens on port {port} on every network interface, unauthenticated "
           "(TensorFlow's gRPC server); run multi-worker training only on a trusted network or behind a firewall "
           "(docs/clusters.md, \"Open ports\")", file=sys.stderr, flush=True)
+
+
+# ---------------------------------------------------------------- the cluster forms
+
+def host_port(address):
+    host, _, port = address.rpartition(":")
+    return host.strip("[]"), int(port)
+
+
+def own_port(resolver):
+    return host_port(resolver.cluster_spec().task_address(resolver.task_type, resolver.task_id))[1]
+
+
+def others(resolver):
+    """{"worker 1": "host:port", ...}: every task that trains with this one."""
+    spec = resolver.cluster_spec()
+    return {f"{job} {index}": address for job in TRAINING_JOBS if job in spec.jobs
+            for index, address in enumerate(spec.job_tasks(job)) if (job, index) != (resolver.task_type, resolver.task_id)}
+
+
+def knock(address, greeting):
+    """Tells the worker listening at `address` who is here; False if nothing listens there (yet)."""
+    try:
+        with socket.create_connection(host_port(address), timeout=KNOCK_TIMEOUT_SECONDS) as door:
+            door.sendall(greeting)
+        return True
+    except OSError:  # refused, unreachable, or a name the DNS does not know yet (a pod not up)
+        return False
+
+
+def greetings(listener):
+    """The greetings of the knocks waiting at `listener`."""
+    heard = set()
+    while True:
+        try:
+            door, _ = listener.accept()
+        except BlockingIOError:
+            return heard
+        with door:
+            door.settimeout(KNOCK_TIMEOUT_SECONDS)
+            with contextlib.suppress(OSError):
+                heard.add(door.recv(1024))
+
+
+def never_came(missing, seconds):
+    names = ", ".join(f"{name} ({address})" for name, address in missing.items())
+    return (f"the cluster did not form within {seconds} s: never heard from {names}; check that every worker was "
+            "started and reaches this one, then restart them all with the same command (or raise --cluster-timeout)")
+
+
+def not_registered(missing):
+    names = ", ".join(f"{name} ({address})" for name, address in missing.items()) or "the other workers"
+    return (f"the cluster did not form: TensorFlow's registration gave up after {REGISTER_SECONDS} s waiting for "
+            f"{names}, which had knocked; restart every worker with the same command")
+
+
+def port_taken(resolver, err):
+    return (f"{resolver.task_type} {resolver.task_id} cannot listen on port {own_port(resolver)}: another process on "
+            f"this host holds it ({err}); restart when it is free, or give this run other ports (--slurm-port-base, "
+            "or the ports in TF_CONFIG)")
+
+
+def wait_for_others(resolver, timeout):
+    """Listens on this worker's port and returns once every other worker has knocked on it; raises
+    ClusterNotFormed when this port is taken, or after `timeout` seconds naming those that never knocked.
+
+    TensorFlow's own wait (the strategy's constructor) blocks in C++ with Python's GIL held, so neither SIGTERM
+    nor Ctrl-C reaches the program there; here the wait is Python's. Each worker knocks on every other's port,
+    saying who it is and which cluster it belongs to, until all have knocked on its own; a port that merely
+    accepts connections (another job's server, say) counts for nothing. A worker hands its port to TensorFlow only
+    once all have knocked, and it knocked on each of them before that, so none is left waiting for it.
+    """
+    names = others(resolver)
+    cluster_id = hashlib.sha256(json.dumps(resolver.cluster_spec().as_dict(), sort_keys=True).encode()).hexdigest()
+    greeting = f"{cluster_id} {resolver.task_type} {resolver.task_id}".encode()
+    expected = {f"{cluster_id} {name}".encode(): name for name in names}
+    with socket.socket() as listener:
+        # As TensorFlow's server binds: every interface, TIME_WAIT leftovers of an earlier run allowed.
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            listener.bind(("", own_port(resolver)))
+        except OSError as err:
+            raise ClusterNotFormed(port_taken(resolver, err.strerror)) from None
+        listener.listen()
+        listener.setblocking(False)
+        missing = dict(names)
+        deadline = time.monotonic() + timeout
+        while True:
+            for address in names.values():
+                knock(address, greeting)
+            for heard in greetings(listener):
+                missing.pop(expected.get(heard), None)
+            if not missing:
+                return
+            if time.monotonic() >= deadline:
+                raise ClusterNotFormed(never_came(missing, timeout))
+            time.sleep(KNOCK_SECONDS)
+
+
+def coordinate(resolver):
+    """What MultiWorkerMirroredStrategy would configure itself, plus a deadline on registration that holds for
+    every worker, the coordination service's host included (`cluster_register_with_barrier`)."""
+    from tensorflow.compiler.xla.tsl.protobuf import coordination_config_pb2
+    from tensorflow.python.distribute import multi_worker_util
+    from tensorflow.python.eager import context
+
+    spec = multi_worker_util.normalize_cluster_spec(resolver.cluster_spec())
+    context.context().configure_coordination_service(
+        service_type="standalone", service_leader=multi_worker_util.coordination_leader(spec),
+        cluster_register_timeout_in_ms=REGISTER_SECONDS * 1000,
+        coordinated_jobs=[coordination_config_pb2.CoordinatedJob(name=job, num_tasks=spec.num_tasks(job))
+                          for job in TRAINING_JOBS if job in spec.jobs])
+    context.context().coordination_service.cluster_register_with_barrier = True
+
+
+def form(resolver, make_strategy, tf, *, timeout, verbose):
+    """`make_strategy()` (a MultiWorkerMirroredStrategy for `resolver`), once every worker is there."""
+    import terminal
+
+    wait_for_others(resolver, timeout)
+    coordinate(resolver)
+    # TensorFlow logs its failures here as several C++ lines, and again as it frees what it had started (hence the
+    # collection inside); the error line says it in one.
+    with terminal.startup_output_held(verbose, explained=ClusterNotFormed):
+        try:
+            return make_strategy()
+        except tf.errors.DeadlineExceededError as err:
+            missing = {f"{job} {task}": resolver.cluster_spec().task_address(job, int(task))
+                       for job, task in PEER_TASK.findall(err.message.split("timed out task names:")[-1])}
+            failure = not_registered(missing)
+        except tf.errors.UnknownError as err:
+            if "Could not start gRPC server" not in err.message:
+                raise
+            failure = port_taken(resolver, "taken after this worker's check")
+        gc.collect()
+        raise ClusterNotFormed(failure)
+
+
+def started():
+    """Whether this process started TensorFlow's multi-worker runtime (its coordination service is configured)."""
+    if "tensorflow" not in sys.modules:
+        return False
+    from tensorflow.python.eager import context
+
+    return context.context().coordination_service is not None
+
+
+def leave(status):
+    """Ends this process now with `status`, after a successful run's last barrier.
+
+    TensorFlow's teardown of a multi-worker runtime takes 2-20 s and logs errors when the coordination service's
+    host is gone first; after a collective abort it is unusable anyway. Everything worth keeping is on disk by
+    now (checkpoints, backup, TensorBoard's events, which its writers flush at each epoch's end).
+    """
+    if status == EXIT_OK:
+        from tensorflow.python.eager import context
+
+        with contextlib.suppress(Exception):  # a worker gone by now: this one has finished all the same
+            context.context().wait_at_barrier(EXIT_BARRIER, EXIT_BARRIER_SECONDS * 1000)
+    # The exit handlers still run: autograph's removes the files it generated under TMPDIR.
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
 
 
 # ---------------------------------------------------------------- a lost peer

@@ -18,7 +18,7 @@ import typing
 EXIT_OK = 0
 EXIT_BAD_INPUT = 2  # permanent: one `error: <problem>; <fix>` line on stderr, nothing written lost
 EXIT_INTERRUPTED = 130  # Ctrl-C (128 + SIGINT)
-EXIT_PEER_LOST = 138  # another worker was lost; restart every worker to resume (128 + SIGUSR1, "retryable")
+EXIT_PEER_LOST = 138  # another worker was lost or never came; restart every worker to resume (128 + SIGUSR1, "retryable")
 EXIT_PREEMPTED = 143  # SIGTERM: state saved, restart to resume (128 + SIGTERM)
 
 
@@ -27,13 +27,24 @@ class UsageError(Exception):
 
 
 class Preempted(Exception):
-    """SIGTERM ended the run after its state was saved; the same command resumes it (callbacks.Preemption)."""
+    """SIGTERM ended the run after its state was saved; the same command resumes it (sigterm.Preemption)."""
+
+
+class ClusterNotFormed(Exception):
+    """A multi-worker cluster could not form: a worker never came, or this one's port is taken. Retryable (exit
+    138): a restart usually finds the worker there or the port free (docs/clusters.md, "Start-up")."""
 
 
 STRATEGIES = ("mirrored", "multiworker", "default")
 # What srun sets for each task of a job step, and TensorFlow's SlurmClusterResolver reads.
 SLURM_STEP_VARS = ("SLURM_PROCID", "SLURM_STEP_NUM_TASKS", "SLURM_STEP_NODELIST", "SLURM_STEP_TASKS_PER_NODE")
 MAX_PORT = 65535
+# Under srun without --slurm-port-base, a job's node's first worker listens on SLURM_PORT_FIRST plus
+# SLURM_PORTS_PER_JOB times (SLURM_JOB_ID modulo SLURM_PORT_SLOTS): jobs sharing a node take different blocks of
+# 16 ports (up to 16 workers a node), all below Linux's ephemeral ports (32768 up), which outgoing connections use.
+SLURM_PORT_FIRST = 10000
+SLURM_PORTS_PER_JOB = 16
+SLURM_PORT_SLOTS = 1400
 # MirroredStrategy's all-reduce (tf.distribute.NcclAllReduce, HierarchicalCopyAllReduce, ReductionToOneDevice).
 CROSS_DEVICE_OPS = ("nccl", "hierarchical-copy", "reduce-to-one")
 # MultiWorkerMirroredStrategy's collectives (tf.distribute.experimental.CommunicationImplementation).
@@ -69,8 +80,12 @@ class Config:
     cpu_replicas: int = _option(0, "split the host CPU into N logical devices and mirror across them (0: off)", CLUSTER)
     devices: typing.Optional[str] = _option(None, "comma-separated devices to mirror across, e.g. /gpu:0,/gpu:1; unset means all GPUs", CLUSTER)
     # Schedulers: TF_CONFIG (Kubeflow's TFJob writes it) wins; without it, srun's variables describe the cluster.
-    slurm_port_base: int = _option(8888, "under srun without TF_CONFIG: the port of each node's first worker; "
-                                         "the node's next workers take the ports after it (TensorFlow's default 8888)", CLUSTER)
+    slurm_port_base: typing.Optional[int] = _option(
+        None, "under srun without TF_CONFIG: the port of each node's first worker; the node's next workers take the "
+              "ports after it (unset: 10000 + 16 x (SLURM_JOB_ID mod 1400), so jobs sharing a node differ)", CLUSTER)
+    cluster_timeout: int = _option(
+        600, "--strategy multiworker: seconds a worker waits for all the others to start; then it exits 138 naming "
+             "those that never came (docs/clusters.md, \"Start-up\")", CLUSTER)
 
     # The tutorial's learning-rate advice, the all-reduce, precision and memory. Each default keeps the
     # tutorial's behaviour.
@@ -130,7 +145,7 @@ def _positive(name, value):
 def validate(cfg):
     """Checks what can be checked before TensorFlow starts; raises UsageError."""
     for name in ("epochs", "batch_size_per_replica", "buffer_size", "steps_per_epoch", "steps_per_execution",
-                 "backup_every_steps"):
+                 "backup_every_steps", "cluster_timeout"):
         _positive(name, getattr(cfg, name))
     if cfg.backup_every_steps and cfg.backup_every_steps % cfg.steps_per_execution:
         # Keras runs steps_per_execution steps in one call; a backup can only fall between two calls.
@@ -148,7 +163,7 @@ def validate(cfg):
         raise UsageError("--cpu-replicas and --devices both choose the devices; give only one")
     if cfg.devices is not None and not cfg.device_list:
         raise UsageError("--devices is empty; name devices like /gpu:0,/gpu:1 or leave it out")
-    if not 1 <= cfg.slurm_port_base <= MAX_PORT:
+    if cfg.slurm_port_base is not None and not 1 <= cfg.slurm_port_base <= MAX_PORT:
         raise UsageError(f"--slurm-port-base must be a port number, 1-{MAX_PORT}, got {cfg.slurm_port_base}")
     if cfg.warmup_epochs < 0:
         raise UsageError(f"--warmup-epochs must be 0 (off) or a positive count, got {cfg.warmup_epochs}")

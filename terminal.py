@@ -28,17 +28,21 @@ def without_startup_notices(lines):
 
 
 @contextlib.contextmanager
-def startup_output_held(verbose):
+def startup_output_held(verbose, explained=()):
     """Holds back what reaches file descriptor 2 (C++ and Python alike) while the block runs, then shows it
-    without TensorFlow's start-up notices: all of it with `verbose`, or when the block fails."""
+    without TensorFlow's start-up notices: all of it with `verbose`, or when the block fails. A failure of an
+    `explained` kind drops it instead (unless `verbose`): its own one-line error says what happened."""
     sys.stderr.flush()
     saved = os.dup(2)
     held = tempfile.TemporaryFile()
-    failed = True
+    failed, dropped = True, False
     try:
         os.dup2(held.fileno(), 2)
         yield
         failed = False
+    except explained:
+        dropped = True
+        raise
     finally:
         sys.stderr.flush()
         os.dup2(saved, 2)
@@ -46,7 +50,9 @@ def startup_output_held(verbose):
         held.seek(0)
         lines = held.read().decode(errors="replace").splitlines(keepends=True)
         held.close()
-        sys.stderr.write("".join(lines if verbose or failed else without_startup_notices(lines)))
+        if not verbose:
+            lines = [] if dropped else lines if failed else without_startup_notices(lines)
+        sys.stderr.write("".join(lines))
         sys.stderr.flush()
 
 

@@ -19,8 +19,10 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 import cluster
 import config
 import outputs
+import sigterm
 import terminal
-from config import EXIT_BAD_INPUT, EXIT_INTERRUPTED, EXIT_OK, EXIT_PEER_LOST, EXIT_PREEMPTED, Preempted, UsageError
+from config import (EXIT_BAD_INPUT, EXIT_INTERRUPTED, EXIT_OK, EXIT_PEER_LOST, EXIT_PREEMPTED, ClusterNotFormed,
+                    Preempted, UsageError)
 
 
 # ---------------------------------------------------------------- step 1: the strategy
@@ -69,9 +71,10 @@ def make_strategy(cfg, tf):
     if cfg.strategy == "multiworker":
         resolver = cluster.cluster_resolver(cfg, tf)
         cluster.warn_open_port(resolver)
-        # TF 2.0's tf.distribute.experimental.MultiWorkerMirroredStrategy.
-        return tf.distribute.MultiWorkerMirroredStrategy(cluster_resolver=resolver,
-                                                         communication_options=communication_options(cfg, tf))
+        # TF 2.0's tf.distribute.experimental.MultiWorkerMirroredStrategy, made once every worker is there.
+        return cluster.form(resolver, lambda: tf.distribute.MultiWorkerMirroredStrategy(
+            cluster_resolver=resolver, communication_options=communication_options(cfg, tf)),
+            tf, timeout=cfg.cluster_timeout, verbose=cfg.verbose)
     if cfg.strategy == "default":
         return tf.distribute.get_strategy()
     if cfg.device_list:
@@ -104,7 +107,7 @@ def fit(cfg, model, train, test, *, plan, work_dir, preemption):
     return time.perf_counter() - start
 
 
-def run(cfg):
+def run(cfg, preemption):
     tf = terminal.start_tensorflow(cfg.verbose)
 
     # Step 1: the strategy.
@@ -119,10 +122,6 @@ def run(cfg):
     import resume
     from model import build_model, compile_model, keras, use_mixed_precision
 
-    # From here on SIGTERM saves and stops training at the next step boundary, or ends the run at once when
-    # it is not training (exit 143 either way).
-    preemption = callbacks.Preemption()
-    preemption.install()
     keras.utils.set_random_seed(cfg.seed)
     if cfg.deterministic:
         tf.config.experimental.enable_op_determinism()
@@ -187,35 +186,40 @@ def run(cfg):
     return EXIT_OK
 
 
-def main(argv=None):
-    parser = config.build_parser("train_mnist_mirrored.py", __doc__)
-    args = parser.parse_args(argv)
+def outcome(args, preemption):
+    """The run's exit status, and the one line that says why it stopped early (None when it did not)."""
     cfg = None
     try:
         cfg = config.validate(config.from_args(args))
         outputs.refuse_finished_run(cfg)
-        return run(cfg)
+        return run(cfg, preemption), None
     except UsageError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return EXIT_BAD_INPUT
+        return EXIT_BAD_INPUT, f"error: {err}"
     except Preempted as err:
-        print(f"error: {err}", file=sys.stderr)
-        return EXIT_PREEMPTED
+        return EXIT_PREEMPTED, f"error: {err}"
+    except ClusterNotFormed as err:
+        return EXIT_PEER_LOST, f"error: {err}"
     except KeyboardInterrupt:
-        print("error: interrupted; run the same command again to resume after the last backup", file=sys.stderr)
-        return EXIT_INTERRUPTED
+        return EXIT_INTERRUPTED, "error: interrupted; run the same command again to resume after the last backup"
     except Exception as err:
         lost = cluster.lost_peer(cfg, err)
         if lost is None:
             raise
-        print(f"error: {lost}; restart every worker with the same command: the run resumes from the last backup",
-              file=sys.stderr)
-        # TensorFlow's runtime is unusable after a collective abort ("Restart your program to reset"), and
-        # tearing it down waits on the input pipeline's threads (measured: 7-30 s). Every epoch's checkpoint
-        # and backup is already complete on disk, so leave at once.
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(EXIT_PEER_LOST)
+        return EXIT_PEER_LOST, f"error: {lost}; restart every worker with the same command: the run resumes from the last backup"
+
+
+def main(argv=None):
+    parser = config.build_parser("train_mnist_mirrored.py", __doc__)
+    args = parser.parse_args(argv)
+    # From here on SIGTERM saves and stops training at the next step boundary, or ends the run at once when
+    # it is not training (exit 143 either way).
+    with sigterm.watched() as preemption:
+        status, line = outcome(args, preemption)
+    if line:
+        print(line, file=sys.stderr)
+    if cluster.started():
+        cluster.leave(status)
+    return status
 
 
 if __name__ == "__main__":

@@ -67,6 +67,17 @@ def _preempted(workers):
         assert "Traceback" not in worker.stderr
 
 
+def _exit_seconds(workers, since):
+    """Seconds from `since` to each worker's exit (EXIT_SECONDS for one still running by then)."""
+    exits = [None] * len(workers)
+    while None in exits and time.monotonic() - since < EXIT_SECONDS:
+        for i, worker in enumerate(workers):
+            if exits[i] is None and worker.proc.poll() is not None:
+                exits[i] = time.monotonic() - since
+        time.sleep(0.05)
+    return [EXIT_SECONDS if e is None else e for e in exits]
+
+
 def _finished(workers, output_dir):
     for worker, rc in zip(workers, finish(workers, timeout=WAIT_SECONDS)):
         assert rc == EXIT_OK, worker.stderr[-3000:]
@@ -255,6 +266,11 @@ def test_two_workers_to_one_and_back_to_two(tmp_path, resume_data_dir):
     workers = _workers(tmp_path, "pair", resume_data_dir, output_dir, 2)
     workers[0].wait_for(f"Epoch 2/{EPOCHS}")
     workers[1].proc.send_signal(signal.SIGTERM)
+    exits = _exit_seconds(workers, since=time.monotonic())
+    # They leave together (asked: within 5 s of the first; 16-22 s apart under real Slurm before they left
+    # without TensorFlow's teardown); the bound is only a generous guard for a loaded machine.
+    print(f"SIGTERM to worker 1 of 2: exits {exits[0]:.2f} s and {exits[1]:.2f} s after it")
+    assert abs(exits[0] - exits[1]) < EXIT_SECONDS / 4
     _preempted(workers)
     first = resume.read(backup_dir)
     assert first.epoch == 1 and 0 < first.image < NUM_TRAIN and first.settings.global_batch == 2 * BATCH

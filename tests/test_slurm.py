@@ -152,8 +152,6 @@ def test_sent_again_after_the_kill_it_resumes_at_the_last_backup_and_completes(c
 CLUSTER_TIMEOUT = 15
 
 
-@pytest.mark.xfail(strict=False, reason="needs issue 18b (--cluster-timeout, the port-in-use line): until it lands "
-                                        "task 0 dies with a traceback and task 1 waits forever")
 def test_first_tasks_port_taken_every_task_exits_promptly_with_one_line(one_node, tmp_path, data_dir):
     base = free_ports(2, consecutive=True)[0]
     args = ["--epochs", "1", "--steps-per-epoch", "2", "--slurm-port-base", str(base), "--cluster-timeout",

@@ -1,0 +1,171 @@
+"""A multi-worker cluster never hangs at start, and its workers leave together.
+
+Real processes on loopback: a worker whose peer never comes exits 138 within --cluster-timeout naming it; a taken
+port is one line; SIGTERM during the wait is 143 within seconds; a successful two-worker run logs no errors and its
+progress bar shows figures a single replica could (accuracy in [0, 1]) mid-epoch. The SIGTERM mid-training case is
+in test_resize.py (the first pair of workers).
+"""
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+import cluster
+import config
+import sigterm
+from conftest import ROOT, Worker, finish, free_ports, subprocess_env
+
+TIMEOUT = 5  # --cluster-timeout of these tests, seconds
+# Generous bounds on a loaded 2-core machine (6 agents share it): TensorFlow alone takes 5-15 s to load.
+START_SECONDS = 60
+EXIT_SECONDS = 20
+
+
+def tf_config(ports, index):
+    cluster_spec = {"worker": [f"127.0.0.1:{port}" for port in ports]}
+    return {"TF_CONFIG": json.dumps({"cluster": cluster_spec, "task": {"type": "worker", "index": index}})}
+
+
+def args(data_dir, output_dir, *extra):
+    return ["--strategy", "multiworker", "--cluster-timeout", str(TIMEOUT), "--epochs", "1", "--steps-per-epoch", "3",
+            "--batch-size-per-replica", "16", "--data-dir", data_dir, "--output-dir", output_dir, *extra]
+
+
+def error_lines(stderr):
+    """The lines a person would read as errors: ours, TensorFlow's C++ E-lines, and any traceback."""
+    return [line for line in stderr.splitlines()
+            if line.startswith(("error:", "E0000", "Traceback")) or re.match(r"E\d{4} ", line)]
+
+
+# ---------------------------------------------------------------- start-up failures
+
+def test_taken_port_is_one_line_and_its_peer_gives_up_naming_it(tmp_path, data_dir):
+    """As with two Slurm nodes whose first tasks both take one port: worker 0 cannot listen, worker 1 waits for it."""
+    ports = free_ports(2)
+    holder = socket.socket()
+    holder.bind(("", ports[0]))
+    holder.listen()
+    try:
+        started = time.monotonic()
+        workers = [Worker(args(data_dir, str(tmp_path / "out")), tf_config(ports, i), tmp_path, f"w{i}")
+                   for i in range(2)]
+        statuses = finish(workers, timeout=START_SECONDS + TIMEOUT)
+        seconds = time.monotonic() - started
+    finally:
+        holder.close()
+    print(f"taken port: both exited after {seconds:.1f} s")
+    assert statuses == [config.EXIT_PEER_LOST] * 2, [w.stderr[-2000:] for w in workers]
+    taken, waiting = (error_lines(w.stderr) for w in workers)
+    assert len(taken) == 1 and f"cannot listen on port {ports[0]}" in taken[0], workers[0].stderr[-3000:]
+    assert "--slurm-port-base" in taken[0]
+    assert len(waiting) == 1, workers[1].stderr[-3000:]
+    assert waiting[0].startswith(f"error: the cluster did not form within {TIMEOUT} s: never heard from "
+                                 f"worker 0 (127.0.0.1:{ports[0]})")
+    assert not os.path.exists(tmp_path / "out" / "results.json")
+
+
+def test_sigterm_while_waiting_for_the_cluster_exits_143_at_once(tmp_path, data_dir):
+    ports = free_ports(2)  # worker 1 never comes
+    worker = Worker(args(data_dir, str(tmp_path / "out"), "--cluster-timeout", "600"), tf_config(ports, 0),
+                    tmp_path, "w0")
+    try:
+        while not cluster.knock(f"127.0.0.1:{ports[0]}", b"hello"):  # it listens: it is waiting for worker 1
+            assert worker.proc.poll() is None, worker.stderr[-3000:]
+            time.sleep(0.2)
+        time.sleep(1)
+        sent = time.monotonic()
+        worker.proc.send_signal(signal.SIGTERM)
+        worker.proc.wait(timeout=EXIT_SECONDS)
+        seconds = time.monotonic() - sent
+    finally:
+        worker.proc.kill()
+    print(f"SIGTERM while waiting for the cluster: exit {worker.returncode} after {seconds:.2f} s")
+    assert worker.returncode == config.EXIT_PREEMPTED
+    assert error_lines(worker.stderr) == [f"error: {sigterm.OUTSIDE_TRAINING}"]
+
+
+# ---------------------------------------------------------------- a successful run
+
+@pytest.fixture(scope="module")
+def two_workers(tmp_path_factory, data_dir):
+    """Two workers that train 2 epochs of 6 steps, 2 steps per call: progress bars with figures mid-epoch."""
+    directory = tmp_path_factory.mktemp("two_workers")
+    ports = free_ports(2)
+    run_args = args(data_dir, str(directory / "out"), "--epochs", "2", "--steps-per-epoch", "6",
+                    "--steps-per-execution", "2", "--batch-size-per-replica", "8")
+    workers = [Worker(run_args, tf_config(ports, i), directory, f"w{i}") for i in range(2)]
+    finish(workers, timeout=400)
+    return workers
+
+
+def test_two_workers_succeed_without_error_lines(two_workers):
+    for w in two_workers:
+        assert w.returncode == 0, w.stderr[-3000:]
+        assert error_lines(w.stderr) == [], w.stderr[-3000:]
+
+
+def test_progress_figures_mid_epoch_are_those_of_one_replica(two_workers):
+    # Keras's bar redraws its line with '\r'; the figures of every redraw, mid-epoch ones included.
+    shown = [line for w in two_workers for line in re.split(r"[\r\n]", w.stdout) if re.match(r"\s*\d+/6 \[", line)]
+    mid_epoch = [line for line in shown if re.match(r"\s*[1-5]/6 ", line)]
+    assert mid_epoch, shown
+    accuracies = [float(a) for line in shown for a in re.findall(r"- accuracy: ([\d.]+)", line)]
+    assert accuracies and all(0 <= a <= 1 for a in accuracies), shown
+
+
+# ---------------------------------------------------------------- SIGTERM's thread, in a small process of its own
+
+# Each runs in a fresh Python (no TensorFlow) with real signals: in pytest's own process, threads that other tests
+# started before SIGTERM was blocked could take the signal instead.
+WATCHED = """
+import os, signal, sys, time
+import config, sigterm
+with sigterm.watched() as preemption:
+    preemption.training = {training}
+    os.kill(os.getpid(), signal.SIGTERM)
+    {then}
+"""
+
+
+def run_watched(training, then):
+    code = WATCHED.format(training=training, then=then)
+    return subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=subprocess_env(), capture_output=True,
+                          text=True, timeout=EXIT_SECONDS)
+
+
+def test_sigterm_while_training_is_noted_for_the_next_step_boundary():
+    proc = run_watched(True, "while not preemption.requested: time.sleep(0.05)\n    print('noted')")
+    assert proc.returncode == 0 and proc.stdout == "noted\n", proc.stderr
+
+
+def test_sigterm_outside_training_raises_preempted_in_the_main_thread():
+    proc = run_watched(False, "time.sleep(0.5)\n    time.sleep(0.5)")  # the interrupt lands between the two
+    assert proc.returncode == 1 and proc.stderr.strip().endswith(f"config.Preempted: {sigterm.OUTSIDE_TRAINING}")
+
+
+def test_sigterm_ends_the_process_when_the_main_thread_is_stuck_in_c():
+    started = time.monotonic()
+    proc = run_watched(False, "time.sleep(60)")  # one C call that does not return: the interrupt cannot land
+    seconds = time.monotonic() - started
+    assert proc.returncode == config.EXIT_PREEMPTED
+    assert proc.stderr == f"error: {sigterm.OUTSIDE_TRAINING}\n"
+    assert seconds < 30
+
+
+def test_slurm_port_base_comes_from_the_job_id():
+    assert cluster.slurm_port_base(8888, {"SLURM_JOB_ID": "4242"}) == 8888  # --slurm-port-base wins
+    bases = {job: cluster.slurm_port_base(None, {"SLURM_JOB_ID": str(job)}) for job in range(100000, 100000 + 1400)}
+    # Every job of a run of 1,400 consecutive ids gets a block of its own, below the ephemeral ports.
+    assert len(set(bases.values())) == 1400
+    assert all(b % config.SLURM_PORTS_PER_JOB == 0 for b in bases.values())
+    assert min(bases.values()) >= config.SLURM_PORT_FIRST
+    assert max(bases.values()) + config.SLURM_PORTS_PER_JOB <= 32768
+    with pytest.raises(config.UsageError, match="SLURM_JOB_ID"):
+        cluster.slurm_port_base(None, {"SLURM_JOB_ID": "12_3"})
