@@ -7,6 +7,7 @@ exported and reloaded without and with the strategy's scope, both evaluated, and
 Figures go to results.json; a short summary for people follows them.
 """
 
+import functools
 import json
 import os
 import sys
@@ -88,19 +89,20 @@ def make_strategy(cfg, tf):
 # ---------------------------------------------------------------- the run
 
 def fit(cfg, model, train, test, *, steps, first_epoch, work_dir, preemption):
-    """Step 4's `fit` with the tutorial's callbacks and the backup; returns its wall seconds."""
+    """Step 4's `fit` with the tutorial's callbacks and the backup; returns its wall seconds and the CPU seconds
+    this process spent meanwhile (all its threads), which the scaling benchmark compares."""
     import callbacks
 
     cbs = callbacks.make_callbacks(cfg, log_dir=os.path.join(work_dir, cfg.log_dir),
                                    checkpoint_dir=cfg.path(cfg.checkpoint_dir), backup_dir=cfg.path(cfg.backup_dir),
                                    steps_per_epoch=steps, preemption=preemption)
-    start = time.perf_counter()
+    start, start_cpu = time.perf_counter(), time.process_time()
     # Keras's BackupAndRestore restores the same position from the same backup; initial_epoch only says so.
     # With --validation, Keras evaluates the test split at each epoch's end; TensorBoard's callback writes
     # those figures to a `validation` run beside `train`.
     model.fit(train, epochs=cfg.epochs, initial_epoch=first_epoch, steps_per_epoch=steps, callbacks=cbs,
               validation_data=test if cfg.validation else None)
-    return time.perf_counter() - start
+    return time.perf_counter() - start, time.process_time() - start_cpu
 
 
 def run(cfg):
@@ -135,9 +137,9 @@ def run(cfg):
     num_train = info.splits["train"].num_examples
     steps = data.steps_per_epoch(num_train, global_batch, cfg.steps_per_epoch)
     first_epoch, first_step = callbacks.backed_up_position(cfg.path(cfg.backup_dir), steps)
-    train = data.distribute(strategy, data.train_dataset(
-        train_images, train_labels, buffer_size=cfg.buffer_size, global_batch=global_batch, seed=cfg.seed,
-        first_epoch=first_epoch, first_step=first_step, epochs=cfg.epochs, steps=steps))
+    train = data.distribute(strategy, functools.partial(
+        data.train_dataset, train_images, train_labels, buffer_size=cfg.buffer_size, global_batch=global_batch,
+        seed=cfg.seed, first_epoch=first_epoch, first_step=first_step, epochs=cfg.epochs, steps=steps))
     test = data.eval_dataset(*test_split, global_batch=global_batch)
 
     # Step 3: the model, compiled inside the strategy's scope.
@@ -152,10 +154,10 @@ def run(cfg):
     first_global_step, last_global_step = first_epoch * steps + first_step, cfg.epochs * steps
     if first_global_step:
         print(f"Resuming from the backup in {cfg.path(cfg.backup_dir)} at epoch {first_epoch + 1}, step {first_step}")
-    train_seconds, trained = 0.0, 0
+    train_seconds, train_cpu_seconds, trained = 0.0, 0.0, 0
     if first_global_step < last_global_step:
-        train_seconds = fit(cfg, model, train, test, steps=steps, first_epoch=first_epoch, work_dir=work_dir,
-                            preemption=preemption)
+        train_seconds, train_cpu_seconds = fit(cfg, model, train, test, steps=steps, first_epoch=first_epoch,
+                                               work_dir=work_dir, preemption=preemption)
         trained = data.images_in_steps(first_global_step, last_global_step, steps, global_batch, num_train)
 
     # Step 5: the latest checkpoint, restored and evaluated. A non-chief that just trained skips the restore:
@@ -176,7 +178,8 @@ def run(cfg):
     figures = outputs.results(
         cfg, strategy, parameters=model.count_params(), global_batch=global_batch, steps=steps,
         first_epoch=first_epoch, first_global_step=first_global_step, train_images=trained,
-        train_seconds=train_seconds, accuracies=(accuracy_checkpoint, accuracy_unreplicated, accuracy_replicated))
+        train_seconds=train_seconds, train_cpu_seconds=train_cpu_seconds,
+        accuracies=(accuracy_checkpoint, accuracy_unreplicated, accuracy_replicated))
     outputs.finish(cfg, figures, is_chief=is_chief, work_dir=work_dir)
     print(json.dumps(figures, indent=2))
     print()
