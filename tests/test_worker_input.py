@@ -1,5 +1,6 @@
 """Each of two workers gathers only its own share of every global batch, and gets exactly the examples, and so
-the gradients, that Keras's own multi-worker input path gives it, partial last batches included."""
+the gradients, that Keras's own multi-worker input path gives it, partial last batches included; and the logs
+of each step are the metrics' values, not their sum over the workers."""
 
 import json
 import subprocess
@@ -14,7 +15,7 @@ WORKER_SCRIPT = textwrap.dedent("""
     import numpy as np
     import tensorflow as tf
     import data
-    from model import build_model, keras
+    from model import build_model, compile_model, keras
 
     strategy = tf.distribute.MultiWorkerMirroredStrategy(
         communication_options=tf.distribute.experimental.CommunicationOptions(
@@ -53,6 +54,15 @@ WORKER_SCRIPT = textwrap.dedent("""
                       steps_per_epoch=steps, verbose=0)
             out[f"weights_{name}_{num_examples}"] = [w.tolist() for w in model.get_weights()]
         out[f"initial_{num_examples}"] = [w.tolist() for w in initial]
+
+    # The project's compile: the logs of an epoch's last step (what the progress bar and batch-level callbacks
+    # show) against the epoch's own figures, which Keras recomputes from the metrics.
+    with strategy.scope():
+        model = compile_model(build_model(), steps_per_execution=steps)
+    seen = []
+    logs_seen = keras.callbacks.LambdaCallback(on_train_batch_end=lambda batch, logs: seen.append(dict(logs)))
+    history = model.fit(paths["project"], epochs=1, steps_per_epoch=steps, verbose=0, callbacks=[logs_seen])
+    out["step_logs"], out["epoch_logs"] = seen[-1], {k: v[-1] for k, v in history.history.items()}
     json.dump(out, open(sys.argv[1], "w"))
 """)
 
@@ -93,3 +103,8 @@ def test_two_workers_get_keras_shares_and_gradients(tmp_path):
         assert moved > 1e-3, "training must move the weights for the comparison to mean anything"
         for w in workers:
             assert _max_abs_diff(w[f"weights_project_{num_examples}"], w[f"weights_keras_{num_examples}"]) < 1e-6
+    # Step logs are the metrics as they are, not summed over the two workers (Keras's default doubled them).
+    for w in workers:
+        assert set(w["step_logs"]) == {"loss", "accuracy"}
+        for name, value in w["epoch_logs"].items():
+            assert abs(w["step_logs"][name] - value) < 1e-6 * max(1.0, abs(value)), (name, w["step_logs"], value)
