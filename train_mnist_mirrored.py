@@ -16,6 +16,11 @@ import time
 # TensorFlow's C++ INFO and WARNING lines once it runs (input-pipeline notices); errors still show. This does
 # not reach the notices TensorFlow prints while it starts: see terminal.start_tensorflow.
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+# TensorFlow's CPU tensors from its own BFC allocator, which keeps freed memory for the next step, instead of
+# malloc. With malloc, a worker of a multi-worker run took about 6,000 fresh pages a step (zeroed by the kernel,
+# then unmapped), a quarter of its CPU time; one replica took almost none, and is as fast either way
+# (docs/performance.md, "Several workers"). Read when TensorFlow makes its first CPU device; a user's setting wins.
+os.environ.setdefault("TF_CPU_ALLOCATOR_USE_BFC", "true")
 
 import cluster
 import config

@@ -108,3 +108,16 @@ def test_two_workers_get_keras_shares_and_gradients(tmp_path):
         assert set(w["step_logs"]) == {"loss", "accuracy"}
         for name, value in w["epoch_logs"].items():
             assert abs(w["step_logs"][name] - value) < 1e-6 * max(1.0, abs(value)), (name, w["step_logs"], value)
+
+
+def test_the_entrypoint_keeps_cpu_memory_in_tensorflows_allocator():
+    """Set before TensorFlow starts (it reads it once, for its first CPU device); a user's own setting wins."""
+    check = "import os, train_mnist_mirrored; print(os.environ['TF_CPU_ALLOCATOR_USE_BFC'])"
+    for given, expected in ((None, "true"), ("false", "false")):
+        env = {**subprocess_env(), "PYTHONPATH": ROOT}
+        env.pop("TF_CPU_ALLOCATOR_USE_BFC", None)
+        if given:
+            env["TF_CPU_ALLOCATOR_USE_BFC"] = given
+        proc = subprocess.run([sys.executable, "-c", check], cwd=ROOT, env=env, capture_output=True, text=True,
+                              timeout=60)
+        assert proc.returncode == 0 and proc.stdout.strip() == expected, proc.stderr[-2000:]
