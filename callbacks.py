@@ -7,6 +7,7 @@ import signal
 
 import tensorflow as tf
 
+import resume
 from config import Preempted
 from model import keras
 
@@ -34,16 +35,19 @@ class ScaledDecay(keras.optimizers.schedules.LearningRateSchedule):
     A function of the optimizer's step count, evaluated inside the train step: it changes every step even
     when `steps_per_execution` runs 50 steps per call (a callback would only change it between calls), and
     BackupAndRestore restores the step count with the optimizer, so a resumed run carries on the ramp and
-    the decay where they were.
+    the decay where they were. The epoch is counted in this run's own steps, `step_offset` from the
+    optimizer's: after a restart at another global batch the optimizer's count includes steps of another
+    size (resume.Plan.step_offset), and the decay must still change at epoch boundaries.
     """
 
-    def __init__(self, boundaries, values, steps_per_epoch, scale, warmup_steps):
+    def __init__(self, boundaries, values, steps_per_epoch, scale, warmup_steps, step_offset=0):
         super().__init__()
         self.boundaries, self.values = tuple(boundaries), tuple(values)
         self.steps_per_epoch, self.scale, self.warmup_steps = steps_per_epoch, scale, warmup_steps
+        self.step_offset = step_offset
 
     def __call__(self, step):
-        step = tf.cast(step, tf.float32)
+        step = tf.cast(step + self.step_offset, tf.float32)
         epoch = tf.floor(step / self.steps_per_epoch)
         # decay(), in the graph: the value after as many boundaries as this epoch has passed.
         passed = tf.reduce_sum(tf.cast(epoch >= tf.constant(self.boundaries, tf.float32), tf.int32))
@@ -55,16 +59,16 @@ class ScaledDecay(keras.optimizers.schedules.LearningRateSchedule):
 
     def get_config(self):
         return {"boundaries": self.boundaries, "values": self.values, "steps_per_epoch": self.steps_per_epoch,
-                "scale": self.scale, "warmup_steps": self.warmup_steps}
+                "scale": self.scale, "warmup_steps": self.warmup_steps, "step_offset": self.step_offset}
 
 
-def learning_rate(cfg, *, global_batch, steps_per_epoch):
+def learning_rate(cfg, *, global_batch, steps_per_epoch, step_offset=0):
     """The optimizer's learning rate: None keeps the tutorial's (Adam's default, then LearningRateScheduler)."""
     if not cfg.scale_lr:
         return None
     return ScaledDecay(cfg.lr_boundaries, cfg.lr_values, steps_per_epoch,
                        scale=learning_rate_scale(global_batch, cfg.scale_lr),
-                       warmup_steps=cfg.warmup_epochs * steps_per_epoch)
+                       warmup_steps=cfg.warmup_epochs * steps_per_epoch, step_offset=step_offset)
 
 
 def applied_learning_rate(optimizer):
@@ -92,25 +96,7 @@ class LogLR(keras.callbacks.Callback):
             logs["lr"] = applied_learning_rate(self.model.optimizer)
 
 
-# ---------------------------------------------------------------- resume position and pre-emption
-
-# The variables Keras's BackupAndRestore keeps in its checkpoint: the epoch it was in, and its last finished step.
-SAVED_EPOCH = "ckpt_saved_epoch/.ATTRIBUTES/VARIABLE_VALUE"
-SAVED_STEP = "ckpt_saved_batch/.ATTRIBUTES/VARIABLE_VALUE"
-
-
-def backed_up_position(backup_dir, steps_per_epoch):
-    """(epoch, step) where a run resumes from the backup in `backup_dir`: (0, 0) when there is none.
-
-    The one place the position is computed; the input stream starts there, and Keras's `fit` reads the same
-    two variables with the same rule (after an epoch's last step, the next epoch's first).
-    """
-    latest = tf.train.latest_checkpoint(os.path.join(backup_dir, "chief"))
-    if latest is None:
-        return 0, 0
-    epoch, step = (int(tf.train.load_variable(latest, name)) for name in (SAVED_EPOCH, SAVED_STEP))
-    return (epoch + 1, 0) if step >= steps_per_epoch - 1 else (epoch, step + 1)
-
+# ---------------------------------------------------------------- pre-emption and the backup
 
 class Preemption:
     """SIGTERM, as Kubernetes and Slurm send it before a kill: noted while training, acted on at the next step
@@ -150,23 +136,36 @@ def _any_worker(strategy):
 
 class Backup(keras.callbacks.BackupAndRestore):
     """Keras's BackupAndRestore, backing up at each epoch's end, every `every_steps` steps if given, and at the
-    next step boundary after SIGTERM, then raising `Preempted`.
+    next step boundary after SIGTERM, then raising `Preempted`; each backup also records its position in
+    images and what that means (resume.py), in the same checkpoint.
 
     Keras records the step an execution of `steps_per_execution` steps starts at, and resumes one step after
     it, which repeats the execution's other steps; this records the last step it finished instead.
     """
 
-    def __init__(self, backup_dir, *, steps_per_epoch, every_steps=None, preemption=None):
+    def __init__(self, backup_dir, *, plan, every_steps=None, preemption=None):
         # An int save_freq is what makes Keras resume at a step rather than at an epoch; when to save is decided here.
-        super().__init__(backup_dir, save_freq=every_steps or steps_per_epoch, delete_checkpoint=False)
-        self._steps_per_epoch = steps_per_epoch
+        super().__init__(backup_dir, save_freq=every_steps or plan.steps, delete_checkpoint=False)
+        self._plan = plan
         self._every_steps = every_steps
         self._preemption = preemption or Preemption()
+        # Made here, outside the strategy's scope (fit calls on_train_begin inside it): one plain variable.
+        self._record = tf.Variable("", trainable=False, name=resume.RECORD)
 
     def on_train_begin(self, logs=None):
-        super().on_train_begin(logs)
+        super().on_train_begin(logs)  # restores the model, the optimizer and Keras's counters
+        # Written with every backup from now on, in the same checkpoint as the weights.
+        setattr(self._training_state.write_checkpoint_manager.checkpoint, resume.RECORD, self._record)
+        # Keras's counters, in this run's steps: `fit` resumes epoch `plan.epoch` after the step before
+        # `plan.first_step`; -1 (no step done) keeps the initial_epoch `fit` was given, at step 0.
+        self._training_state._ckpt_saved_epoch.assign(self._plan.epoch)
+        self._training_state._ckpt_saved_batch.assign(self._plan.first_step - 1)
         self._preempted_anywhere = _any_worker(self.model.distribute_strategy)
         self._preemption.training = True
+
+    def on_epoch_begin(self, epoch, logs=None):
+        super().on_epoch_begin(epoch, logs)
+        self._last_step = (self._plan.first_step if epoch == self._plan.epoch else 0) - 1
 
     def on_train_batch_begin(self, batch, logs=None):
         pass
@@ -174,35 +173,40 @@ class Backup(keras.callbacks.BackupAndRestore):
     def on_train_batch_end(self, batch, logs=None):
         # `batch` is the last step of the execution that just finished.
         preempted = self._preempted_anywhere(self._preemption.requested)
-        if batch >= self._steps_per_epoch - 1:
+        before, self._last_step = self._last_step, batch
+        if batch >= self._plan.steps - 1:
             return  # the epoch's end backs up, after its checkpoint, and acts on a pre-emption
-        due = self._every_steps and (batch + 1) % self._every_steps == 0
+        # Due when the execution passed a multiple of every_steps: a resumed epoch's steps need not start at one.
+        due = self._every_steps and (batch + 1) // self._every_steps > (before + 1) // self._every_steps
         if due or preempted:
-            self._save(self._current_epoch, batch)
-        if preempted:
-            self._stop(self._current_epoch, batch + 1)
+            position = self._save(self._current_epoch, batch)
+            if preempted:
+                self._stop(position)
 
     def on_epoch_end(self, epoch, logs=None):
-        self._save(epoch, self._steps_per_epoch - 1)
+        position = self._save(epoch, self._plan.steps - 1)
         if self._preempted_anywhere(self._preemption.requested):
-            self._stop(epoch + 1, 0)
+            self._stop(position)
 
     def on_train_end(self, logs=None):
         self._preemption.training = False
         super().on_train_end(logs)
 
     def _save(self, epoch, last_step):
+        position = self._plan.position(epoch, last_step, int(self.model.optimizer.iterations.numpy()))
+        self._record.assign(position.to_json())
         self._training_state._ckpt_saved_batch.assign(last_step)
         self._backup(epoch=epoch, batch=last_step)
+        return position
 
-    def _stop(self, epoch, step):
+    def _stop(self, position):
         self._preemption.training = False
-        raise Preempted(f"pre-empted (SIGTERM); training state saved at epoch {epoch + 1}, step {step} "
-                        f"(global step {epoch * self._steps_per_epoch + step}); run the same command again "
-                        "to resume there")
+        raise Preempted(f"pre-empted (SIGTERM); training state saved at epoch {position.epoch + 1}, image "
+                        f"{position.image:,} of {self._plan.epoch_images:,}; run the same command again to resume "
+                        "there (on any number of replicas or workers)")
 
 
-def make_callbacks(cfg, *, log_dir, checkpoint_dir, backup_dir, steps_per_epoch, preemption=None):
+def make_callbacks(cfg, *, log_dir, checkpoint_dir, backup_dir, plan, preemption=None):
     if cfg.scale_lr:
         schedule = LogLR()  # the optimizer's ScaledDecay sets the rate (learning_rate() above)
     else:
@@ -217,6 +221,5 @@ def make_callbacks(cfg, *, log_dir, checkpoint_dir, backup_dir, steps_per_epoch,
         # Last, so that an epoch counts as backed up only once its checkpoint is written. It restores the
         # model, the optimizer and the position at train begin; the program, not Keras, deletes the backup
         # once the whole run (export included) has finished, so a kill during export resumes there too.
-        Backup(backup_dir, steps_per_epoch=steps_per_epoch, every_steps=cfg.backup_every_steps,
-               preemption=preemption),
+        Backup(backup_dir, plan=plan, every_steps=cfg.backup_every_steps, preemption=preemption),
     ]

@@ -239,14 +239,6 @@ def images_per_epoch(steps, global_batch, num_examples):
     return min(steps * global_batch, num_examples)
 
 
-def images_in_steps(first, last, steps, global_batch, num_examples):
-    """Images trained in global steps first..last-1: full batches, but for each epoch's last step, which holds
-    only what is left of the split."""
-    shortfall = steps * global_batch - images_per_epoch(steps, global_batch, num_examples)
-    epoch_ends = last // steps - first // steps
-    return (last - first) * global_batch - epoch_ends * shortfall
-
-
 def _untuned(dataset):
     """Turns tf.data's autotuner off: destroying an iterator waits for its tuning thread, which made `fit`
     return 3-50 s after its last epoch (measured with `py-spy dump --native`: ~IteratorResource waiting in
@@ -312,29 +304,46 @@ def _batches(images, labels, indices):
     return indices.map(lambda batch: scale(tf.gather(images, batch), tf.gather(labels, batch)))
 
 
-def train_dataset(images, labels, *, buffer_size, global_batch, seed, first_epoch, first_step, epochs, steps,
+def epoch_order(num_examples, *, buffer_size, seed, epoch):
+    """Epoch `epoch`'s order of the training split's indices: the tutorial's shuffle through a buffer of
+    `buffer_size`, seeded by the epoch's number, so that every run, resumed or not, sees the same order."""
+    return tf.data.Dataset.range(num_examples).shuffle(buffer_size, seed=seed + epoch, reshuffle_each_iteration=False)
+
+
+def index_batches(num_examples, *, buffer_size, seed, global_batch, first_epoch, first_image, epoch_images, epochs):
+    """The batches of training indices from image `first_image` of epoch `first_epoch` to the end of epoch
+    `epochs` - 1 (resume.Plan gives the position).
+
+    Each epoch is the first `epoch_images` of its order (all of it, unless --steps-per-epoch cuts it),
+    batched from its own first image, or from `first_image` for the epoch a resumed run finishes; an
+    epoch's last batch holds what is left of it, so it may be short, and no batch spans two epochs.
+    """
+    def one_epoch(epoch):
+        first = tf.cast(epoch == first_epoch, tf.int64) * first_image
+        order = epoch_order(num_examples, buffer_size=buffer_size, seed=seed, epoch=epoch)
+        return order.take(epoch_images).skip(first).batch(global_batch)
+
+    return tf.data.Dataset.range(first_epoch, epochs).flat_map(one_epoch)
+
+
+def train_dataset(images, labels, *, buffer_size, global_batch, seed, first_epoch, first_image, epoch_images, epochs,
                   share=WHOLE):
-    """All batches from step `first_step` of epoch `first_epoch` on, as one stream of `steps` batches an epoch,
-    from the resident training split; with `share` (index, count), only that input pipeline's part of each.
+    """All batches from image `first_image` of epoch `first_epoch` on, gathered from the resident training split;
+    with `share` (index, count), only that input pipeline's part of each (`pipeline_share`).
 
     The tutorial's `map(scale).cache().shuffle(buffer).batch(batch)` shuffles examples through a buffer of
-    `buffer_size`; here the same seeded shuffle runs over example indices, which gives the same order (tf.data's
-    shuffle draws positions in its buffer, whatever the elements are), and each batch is gathered from memory.
-    Each epoch's shuffle is seeded by its number, so a run resumed at step s of epoch k sees exactly the batches
-    an uninterrupted run sees from there on.
+    `buffer_size`; here the same seeded shuffle runs over example indices (`index_batches`), which gives the
+    same order (tf.data's shuffle draws positions in its buffer, whatever the elements are), and each batch
+    is gathered from memory. Each epoch's shuffle is seeded by its number, so a run resumed at any image,
+    at any global batch, trains exactly the images an uninterrupted run trains from there on.
     """
-    num_examples = int(images.shape[0])
-
-    def one_epoch(epoch):
-        order = tf.data.Dataset.range(num_examples).shuffle(buffer_size, seed=seed + epoch,
-                                                            reshuffle_each_iteration=False)
-        return order.batch(global_batch).take(steps)
-
-    # Repeated so that the stream never ends under `fit`, which stops after epochs x steps by itself.
-    indices = tf.data.Dataset.range(first_epoch, epochs).flat_map(one_epoch).skip(first_step).repeat()
+    indices = index_batches(int(images.shape[0]), buffer_size=buffer_size, seed=seed, global_batch=global_batch,
+                            first_epoch=first_epoch, first_image=first_image, epoch_images=epoch_images,
+                            epochs=epochs)
     if share != WHOLE:
         indices = indices.map(lambda batch: pipeline_share(batch, *share))
-    return for_distribution(_batches(images, labels, indices))
+    # Repeated so that the stream never ends under `fit`, which stops after its epochs by itself.
+    return for_distribution(_batches(images, labels, indices.repeat()))
 
 
 def eval_dataset(images, labels, *, global_batch):

@@ -52,10 +52,10 @@ def peak_gpu_memory_mb(strategy):
     return {gpu: round(tf.config.experimental.get_memory_info(gpu)["peak"] / 2**20, 1) for gpu in gpus} or None
 
 
-def results(cfg, strategy, *, parameters, global_batch, steps, first_epoch, first_global_step, train_images,
-            train_seconds, train_cpu_seconds, accuracies):
-    """The figures of results.json; `accuracies` are the checkpoint's, the reloaded SavedModel's, and the
-    SavedModel's reloaded in the strategy's scope."""
+def results(cfg, strategy, *, parameters, global_batch, plan, train_images, train_seconds, train_cpu_seconds,
+            accuracies):
+    """The figures of results.json; `plan` is where training started (resume.Plan), `accuracies` are the
+    checkpoint's, the reloaded SavedModel's, and the SavedModel's reloaded in the strategy's scope."""
     from callbacks import learning_rate_scale
 
     checkpoint, unreplicated, replicated = accuracies
@@ -66,9 +66,10 @@ def results(cfg, strategy, *, parameters, global_batch, steps, first_epoch, firs
         "parameters": parameters,
         "epochs": cfg.epochs,
         "global_batch_size": global_batch,
-        "steps_per_epoch": steps,
-        "resumed_from_epoch": first_epoch,
-        "resumed_from_step": first_global_step,
+        "steps_per_epoch": plan.steps,
+        "resumed_from_epoch": plan.epoch,
+        "resumed_from_step": plan.first_global_step,
+        "resumed_after_images": plan.resumed_after_images,
         "train_images": train_images,
         "train_seconds": round(train_seconds, 3),
         "train_images_per_s": round(train_images / train_seconds, 1) if train_seconds else None,

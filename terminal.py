@@ -65,18 +65,20 @@ def short_device(name):
     return name.rsplit("/device:", 1)[-1]
 
 
-def trained_line(results):
+def trained_line(results, resumed=None):
+    """`resumed` says where a resumed run started (resume.Plan.describe)."""
     first, epochs, steps = results["resumed_from_step"], results["epochs"], results["steps_per_epoch"]
     if first >= epochs * steps:
         return f"all {epochs} epochs were in the backup; nothing left to train"
     epoch = first // steps + 1
     done = f"epochs {epoch}-{epochs}" if epoch < epochs else f"epoch {epochs}"
-    resumed = f"resumed at epoch {epoch}, step {first % steps}: " if first else ""
+    resumed = f"resumed at {resumed}: " if resumed else ""
     return f"{resumed}{done} of {epochs} at {results['train_images_per_s']:,.0f} images/s"
 
 
-def summary(cfg, results, *, num_train, num_test, is_chief):
-    """A few lines for people, after the JSON for programs, in the order of the tutorial's steps."""
+def summary(cfg, results, *, num_train, num_test, is_chief, resumed=None):
+    """A few lines for people, after the JSON for programs, in the order of the tutorial's steps; `resumed`
+    says where a resumed run started."""
     replicas = results["replicas"]
     validation = ", validated each epoch" if cfg.validation else ""
     lines = [
@@ -86,7 +88,7 @@ def summary(cfg, results, *, num_train, num_test, is_chief):
         f"  2. data      MNIST: {num_train:,} training and {num_test:,} test images, global batch "
         f"{results['global_batch_size']}, {results['steps_per_epoch']} steps an epoch",
         f"  3. model     the tutorial's CNN, {results['parameters']:,} parameters, compiled in the strategy's scope",
-        f"  4. training  {trained_line(results)}{validation}; tensorboard --logdir {cfg.path(cfg.log_dir)}",
+        f"  4. training  {trained_line(results, resumed)}{validation}; tensorboard --logdir {cfg.path(cfg.log_dir)}",
         f"  5. restore   latest checkpoint in {cfg.path(cfg.checkpoint_dir)}: "
         f"test accuracy {results['eval_accuracy_checkpoint']:.4f}",
         f"  6. export    {cfg.path(cfg.saved_model_dir)} reloaded: test accuracy "

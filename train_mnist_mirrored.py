@@ -93,19 +93,20 @@ def make_strategy(cfg, tf):
 
 # ---------------------------------------------------------------- the run
 
-def fit(cfg, model, train, test, *, steps, first_epoch, work_dir, preemption):
-    """Step 4's `fit` with the tutorial's callbacks and the backup; returns its wall seconds and the CPU seconds
-    this process spent meanwhile (all its threads), which the scaling benchmark compares."""
+def fit(cfg, model, train, test, *, plan, work_dir, preemption):
+    """Step 4's `fit` with the tutorial's callbacks and the backup, from the plan's position; returns its wall
+    seconds and the CPU seconds this process spent meanwhile (all its threads), which the scaling benchmark
+    compares."""
     import callbacks
 
     cbs = callbacks.make_callbacks(cfg, log_dir=os.path.join(work_dir, cfg.log_dir),
                                    checkpoint_dir=cfg.path(cfg.checkpoint_dir), backup_dir=cfg.path(cfg.backup_dir),
-                                   steps_per_epoch=steps, preemption=preemption)
+                                   plan=plan, preemption=preemption)
     start, start_cpu = time.perf_counter(), time.process_time()
-    # Keras's BackupAndRestore restores the same position from the same backup; initial_epoch only says so.
+    # The backup callback sets Keras's own counters to the plan's epoch and step; initial_epoch says the same.
     # With --validation, Keras evaluates the test split at each epoch's end; TensorBoard's callback writes
     # those figures to a `validation` run beside `train`.
-    model.fit(train, epochs=cfg.epochs, initial_epoch=first_epoch, steps_per_epoch=steps, callbacks=cbs,
+    model.fit(train, epochs=cfg.epochs, initial_epoch=plan.epoch, steps_per_epoch=plan.steps, callbacks=cbs,
               validation_data=test if cfg.validation else None)
     return time.perf_counter() - start, time.process_time() - start_cpu
 
@@ -122,6 +123,7 @@ def run(cfg):
     import callbacks
     import data
     import export
+    import resume
     from model import build_model, compile_model, keras, use_mixed_precision
 
     # From here on SIGTERM saves and stops training at the next step boundary, or ends the run at once when
@@ -137,33 +139,36 @@ def run(cfg):
     info = data.load(cfg.data_dir, cfg.idx_dir)
     (train_images, train_labels), test_split = (data.resident_split(info, split) for split in ("train", "test"))
     is_chief = strategy.extended.should_checkpoint
-    work_dir = outputs.work_dir(cfg, is_chief)
     global_batch = cfg.batch_size_per_replica * strategy.num_replicas_in_sync
     num_train = info.splits["train"].num_examples
-    steps = data.steps_per_epoch(num_train, global_batch, cfg.steps_per_epoch)
-    first_epoch, first_step = callbacks.backed_up_position(cfg.path(cfg.backup_dir), steps)
+    # Where training starts, counted in images, on whatever cluster the backup was made: a restart the backup's
+    # position cannot survive is refused here, before any output is touched.
+    plan = resume.start(cfg.path(cfg.backup_dir), resume.Settings.of(cfg, num_examples=num_train,
+                                                                     global_batch=global_batch),
+                        epochs=cfg.epochs, overwrite=cfg.overwrite)
+    work_dir = outputs.work_dir(cfg, is_chief)
     train = data.distribute(strategy, functools.partial(
         data.train_dataset, train_images, train_labels, buffer_size=cfg.buffer_size, global_batch=global_batch,
-        seed=cfg.seed, first_epoch=first_epoch, first_step=first_step, epochs=cfg.epochs, steps=steps))
+        seed=cfg.seed, first_epoch=plan.epoch, first_image=plan.image, epoch_images=plan.epoch_images,
+        epochs=cfg.epochs))
     test = data.eval_dataset(*test_split, global_batch=global_batch)
 
     # Step 3: the model, compiled inside the strategy's scope.
     if cfg.mixed_precision:
         use_mixed_precision()
-    learning_rate = callbacks.learning_rate(cfg, global_batch=global_batch, steps_per_epoch=steps)
+    learning_rate = callbacks.learning_rate(cfg, global_batch=global_batch, steps_per_epoch=plan.steps,
+                                            step_offset=plan.step_offset)
     with strategy.scope():
         model = compile_model(build_model(), steps_per_execution=cfg.steps_per_execution,
                               jit_compile=cfg.jit_compile, fused_adam=cfg.fused_adam, learning_rate=learning_rate)
 
-    # Step 4: training, from the step after the last one backed up.
-    first_global_step, last_global_step = first_epoch * steps + first_step, cfg.epochs * steps
-    if first_global_step:
-        print(f"Resuming from the backup in {cfg.path(cfg.backup_dir)} at epoch {first_epoch + 1}, step {first_step}")
-    train_seconds, train_cpu_seconds, trained = 0.0, 0.0, 0
-    if first_global_step < last_global_step:
-        train_seconds, train_cpu_seconds = fit(cfg, model, train, test, steps=steps, first_epoch=first_epoch,
-                                               work_dir=work_dir, preemption=preemption)
-        trained = data.images_in_steps(first_global_step, last_global_step, steps, global_batch, num_train)
+    # Step 4: training, from the first image the backup had not trained.
+    if plan.resumed_after_images:
+        print(f"Resuming from the backup in {cfg.path(cfg.backup_dir)} at {plan.describe()}")
+    train_seconds, train_cpu_seconds, trained = 0.0, 0.0, plan.train_images(cfg.epochs)
+    if trained:
+        train_seconds, train_cpu_seconds = fit(cfg, model, train, test, plan=plan, work_dir=work_dir,
+                                               preemption=preemption)
 
     # Step 5: the latest checkpoint, restored and evaluated. A non-chief that just trained skips the restore:
     # synchronous training left it the chief's weights, and the chief may still be writing that checkpoint.
@@ -181,15 +186,14 @@ def run(cfg):
     _, accuracy_replicated = export.reload(saved_model, strategy).evaluate(test)
 
     figures = outputs.results(
-        cfg, strategy, parameters=model.count_params(), global_batch=global_batch, steps=steps,
-        first_epoch=first_epoch, first_global_step=first_global_step, train_images=trained,
+        cfg, strategy, parameters=model.count_params(), global_batch=global_batch, plan=plan, train_images=trained,
         train_seconds=train_seconds, train_cpu_seconds=train_cpu_seconds,
         accuracies=(accuracy_checkpoint, accuracy_unreplicated, accuracy_replicated))
     outputs.finish(cfg, figures, is_chief=is_chief, work_dir=work_dir)
     print(json.dumps(figures, indent=2))
     print()
     print(terminal.summary(cfg, figures, num_train=num_train, num_test=info.splits["test"].num_examples,
-                           is_chief=is_chief))
+                           is_chief=is_chief, resumed=plan.describe() if plan.resumed_after_images else None))
     return EXIT_OK
 
 

@@ -35,6 +35,7 @@ import tensorflow as tf  # noqa: E402
 
 import callbacks  # noqa: E402
 import data  # noqa: E402
+import resume  # noqa: E402
 from config import EXIT_BAD_INPUT, EXIT_OK, Config, UsageError  # noqa: E402
 from model import build_model, compile_model, keras  # noqa: E402
 
@@ -130,7 +131,7 @@ def project_round(datasets, info, cfg, strategy, epochs, work_dir, variant):
     else:
         arrays, read, _ = _timed(lambda: data.resident_split(info, "train"))
         train = data.train_dataset(*arrays, buffer_size=cfg.buffer_size, global_batch=global_batch, seed=cfg.seed,
-                                   first_epoch=0, first_step=0, epochs=epochs, steps=steps)
+                                   first_epoch=0, first_image=0, epoch_images=num_train, epochs=epochs)
     if variant.get("input") == "autotune":
         options = tf.data.Options()
         options.autotune.enabled = True
@@ -141,7 +142,8 @@ def project_round(datasets, info, cfg, strategy, epochs, work_dir, variant):
         model = compile_model(build_model(), steps_per_execution=cfg.steps_per_execution,
                               jit_compile=cfg.jit_compile, fused_adam=cfg.fused_adam)
     cbs = callbacks.make_callbacks(cfg, log_dir=os.path.join(work_dir, "logs"), checkpoint_dir=os.path.join(work_dir, "ckpt"),
-                                   backup_dir=os.path.join(work_dir, "backup"), steps_per_epoch=steps)
+                                   backup_dir=os.path.join(work_dir, "backup"),
+                                   plan=resume.Plan(resume.Settings.of(cfg, num_examples=num_train, global_batch=global_batch)))
     _, wall, cpu = _timed(lambda: model.fit(train, epochs=epochs, steps_per_epoch=steps, callbacks=cbs))  # as above
     return epochs * data.images_per_epoch(steps, global_batch, num_train), wall, cpu, read
 

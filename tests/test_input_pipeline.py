@@ -47,7 +47,8 @@ def test_gathered_batches_equal_the_per_example_shuffle(loaded, first_epoch, fir
     datasets, _, arrays = loaded
     epochs, steps = 4, data.steps_per_epoch(NUM_TRAIN, BATCH)
     stream = data.train_dataset(*arrays["train"], buffer_size=BUFFER, global_batch=BATCH, seed=SEED,
-                                first_epoch=first_epoch, first_step=first_step, epochs=epochs, steps=steps)
+                                first_epoch=first_epoch, first_image=first_step * BATCH, epoch_images=NUM_TRAIN,
+                                epochs=epochs)
     got = list(tfds.as_numpy(stream.take((epochs - first_epoch) * steps - first_step)))
     # A resumed stream is the uninterrupted one from its resume step on.
     expected = [batch for epoch in range(first_epoch, epochs) for batch in _tutorial_epoch(datasets, epoch, steps)]
@@ -68,7 +69,7 @@ def test_one_replica_gets_the_same_batches_without_the_multi_device_iterator(loa
 
     def stream(share=data.WHOLE):
         return data.train_dataset(*arrays["train"], buffer_size=BUFFER, global_batch=BATCH, seed=SEED,
-                                  first_epoch=0, first_step=0, epochs=2, steps=steps, share=share)
+                                  first_epoch=0, first_image=0, epoch_images=NUM_TRAIN, epochs=2, share=share)
 
     strategy = tf.distribute.MirroredStrategy(["/cpu:0"])
     distributed = data.distribute(strategy, stream)

@@ -11,6 +11,7 @@ import tensorflow as tf
 
 import callbacks
 import model
+import resume
 from config import Config
 from conftest import SMOKE_CPU_REPLICAS, run_entrypoint, smoke_args
 from model import keras
@@ -101,14 +102,19 @@ def initial_weights():
 
 
 def _train(batches, initial, output_dir, *, epochs, steps_per_execution):
-    """The project's own compile and callbacks (BackupAndRestore included) on a fresh model and optimizer."""
+    """The project's own compile and callbacks (BackupAndRestore included) on a fresh model and optimizer,
+    from the position in the backup, as the entrypoint starts."""
     net = model.build_model()
     net.set_weights(initial)
-    rate = callbacks.learning_rate(WARMUP, global_batch=GLOBAL_BATCH, steps_per_epoch=STEPS)
+    settings = resume.Settings.of(WARMUP, num_examples=STEPS * GLOBAL_BATCH, global_batch=GLOBAL_BATCH)
+    plan = resume.start(str(output_dir / "backup"), settings, epochs=epochs, overwrite=False)
+    rate = callbacks.learning_rate(WARMUP, global_batch=GLOBAL_BATCH, steps_per_epoch=STEPS,
+                                   step_offset=plan.step_offset)
     model.compile_model(net, steps_per_execution=steps_per_execution, fused_adam=WARMUP.fused_adam, learning_rate=rate)
     cbs = callbacks.make_callbacks(WARMUP, log_dir=str(output_dir / "logs"), checkpoint_dir=str(output_dir / "ckpt"),
-                                   backup_dir=str(output_dir / "backup"), steps_per_epoch=STEPS)
-    history = net.fit(batches, epochs=epochs, steps_per_epoch=STEPS, callbacks=cbs, verbose=0)
+                                   backup_dir=str(output_dir / "backup"), plan=plan)
+    history = net.fit(batches, epochs=epochs, initial_epoch=plan.epoch, steps_per_epoch=STEPS, callbacks=cbs,
+                      verbose=0)
     return net, history
 
 

@@ -31,7 +31,8 @@ WORKER_SCRIPT = textwrap.dedent("""
         labels = tf.constant(rng.integers(0, 10, num_examples), tf.int64)
         steps = data.steps_per_epoch(num_examples, global_batch)
         make_dataset = functools.partial(data.train_dataset, images, labels, buffer_size=8, global_batch=global_batch,
-                                         seed=3, first_epoch=0, first_step=0, epochs=2, steps=steps)
+                                         seed=3, first_epoch=0, first_image=0, epoch_images=num_examples,
+                                         epochs=2)
         paths = {"project": data.distribute(strategy, make_dataset),
                  "keras": strategy.experimental_distribute_dataset(make_dataset(share=data.WHOLE))}
 

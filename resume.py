@@ -1,0 +1,235 @@
+"""Where a run resumes, counted in images, and what its backup's position means.
+
+A pre-empted job often comes back on another allocation: more or fewer replicas or workers, or another
+--batch-size-per-replica, so another global batch and another number of steps an epoch. Keras's own
+counters in the backup (the epoch, the last finished step) are steps of the old global batch, so the
+position is kept in images instead: the epoch, and how many images of that epoch's seeded order are
+trained. Beside it the backup records what gives those images their meaning: the training split's size,
+the seed and shuffle buffer that order each epoch, the epoch's length and the learning-rate settings. A
+restart whose settings would give the position another meaning is refused, before anything is written.
+
+The record is a string variable in Keras's own backup checkpoint, not a file beside it: TensorFlow's
+checkpoint manager commits a checkpoint by rewriting its small `checkpoint` index once the checkpoint's
+files are complete, so the record and the weights it describes are committed together, and a kill at any
+moment leaves the previous pair. A file written after the checkpoint could describe the one before it.
+
+This is the one place the position is computed. The input stream starts at its image
+(data.train_dataset), `fit` at its step (callbacks.Backup sets Keras's counters), the learning-rate
+schedule counts epochs from it (callbacks.ScaledDecay), and results.json reports it.
+"""
+
+import dataclasses
+import json
+import math
+import os
+import typing
+
+import tensorflow as tf
+
+import data
+from config import UsageError
+
+# The checkpoint attribute that holds the record, and where Keras's BackupAndRestore keeps the chief's backup.
+RECORD = "resume_position"
+RECORD_KEY = f"{RECORD}/.ATTRIBUTES/VARIABLE_VALUE"
+CHIEF_BACKUP = "chief"
+START_OVER = "or add --overwrite to start over"
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    """What a position means: the settings that decide each epoch's images and order, the global batch it
+    was trained at, and the learning-rate schedule along it."""
+
+    num_examples: int
+    seed: int
+    buffer_size: int
+    steps_per_epoch: typing.Optional[int]  # the flag: None trains whole epochs
+    global_batch: int
+    scale_lr: bool
+    warmup_epochs: int
+
+    @classmethod
+    def of(cls, cfg, *, num_examples, global_batch):
+        return cls(num_examples=num_examples, seed=cfg.seed, buffer_size=cfg.buffer_size,
+                   steps_per_epoch=cfg.steps_per_epoch, global_batch=global_batch, scale_lr=cfg.scale_lr,
+                   warmup_epochs=cfg.warmup_epochs)
+
+    @property
+    def steps(self):
+        """Steps an epoch: the last one holds what is left of the epoch's images, so it may be short."""
+        return data.steps_per_epoch(self.num_examples, self.global_batch, self.steps_per_epoch)
+
+    @property
+    def epoch_images(self):
+        """Images an epoch trains: the whole split, or the first steps x global batch of its order."""
+        return data.images_per_epoch(self.steps, self.global_batch, self.num_examples)
+
+
+@dataclasses.dataclass(frozen=True)
+class Position:
+    """A backed-up position: `image` images of epoch `epoch`'s order are trained (0 after a whole epoch, with
+    `epoch` the next one), the optimizer had taken `optimizer_step` steps, under `settings`."""
+
+    epoch: int
+    image: int
+    optimizer_step: int
+    settings: Settings
+
+    def to_json(self):
+        return json.dumps({"epoch": self.epoch, "image": self.image, "optimizer_step": self.optimizer_step,
+                           **dataclasses.asdict(self.settings)}, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text):
+        fields = json.loads(text)
+        settings = Settings(**{f.name: fields[f.name] for f in dataclasses.fields(Settings)})
+        return cls(epoch=fields["epoch"], image=fields["image"], optimizer_step=fields["optimizer_step"],
+                   settings=settings)
+
+
+def read(backup_dir):
+    """The position the backup in `backup_dir` holds; None when there is no backup."""
+    latest = tf.train.latest_checkpoint(os.path.join(backup_dir, CHIEF_BACKUP))
+    if latest is None:
+        return None
+    reader = tf.train.load_checkpoint(latest)
+    if not reader.has_tensor(RECORD_KEY):
+        raise UsageError(f"the backup in {backup_dir} does not record what its position means (an earlier version "
+                         f"of this script made it); finish it with that version, {START_OVER}")
+    return Position.from_json(reader.get_tensor(RECORD_KEY).decode())
+
+
+# ---------------------------------------------------------------- what a restart may change
+
+# The settings a restart must keep, each with why: the image order, the epoch's length, the schedule.
+KEPT = {
+    "seed": "it seeds each epoch's image order",
+    "buffer_size": "it shapes each epoch's image order",
+    "steps_per_epoch": "it sets an epoch's length",
+    "scale_lr": "it sets the learning-rate schedule",
+    "warmup_epochs": "it sets the learning-rate schedule",
+}
+
+
+def _with(name, value):
+    """A setting as the command line gives it: `with --seed 7`, `without --scale-lr`."""
+    flag = "--" + name.replace("_", "-")
+    if value is None or value is False:
+        return f"without {flag}"
+    return f"with {flag}" if value is True else f"with {flag} {value}"
+
+
+def check(position, now, *, epochs, backup_dir):
+    """Raises UsageError, one line naming the setting, the backup's value and the way out, when `now` (this
+    run's Settings) or `epochs` would give the backed-up position another meaning."""
+    then = position.settings
+    if now.num_examples != then.num_examples:
+        raise UsageError(f"the training split in --data-dir has {now.num_examples:,} images, but the backup in "
+                         f"{backup_dir} was made on one of {then.num_examples:,}; rerun with that --data-dir to "
+                         f"resume it, {START_OVER}")
+    for name, why in KEPT.items():
+        if getattr(now, name) != getattr(then, name):
+            raise UsageError(f"the backup in {backup_dir} was made {_with(name, getattr(then, name))} ({why}), "
+                             f"this run is {_with(name, getattr(now, name))}; rerun {_with(name, getattr(then, name))} "
+                             f"to resume it, {START_OVER}")
+    if now.epoch_images != then.epoch_images:
+        # Only --steps-per-epoch makes an epoch's length depend on the global batch.
+        raise UsageError(f"the backup in {backup_dir} trained epochs of {then.epoch_images:,} images (--steps-per-epoch "
+                         f"{then.steps_per_epoch} at global batch {then.global_batch}), but at global batch "
+                         f"{now.global_batch} an epoch is {now.epoch_images:,}; rerun at global batch "
+                         f"{then.global_batch} (--batch-size-per-replica x replicas) to resume it, {START_OVER}")
+    least = position.epoch + (1 if position.image else 0)
+    if epochs < least:
+        begun = f"epoch {position.epoch + 1} begun" if position.image else f"{position.epoch} epochs done"
+        raise UsageError(f"--epochs {epochs} is fewer than the backup in {backup_dir} has trained ({begun}); rerun "
+                         f"with --epochs {least} or more to resume it, {START_OVER}")
+
+
+# ---------------------------------------------------------------- this run's steps from the position
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """This run's epochs and steps from the backed-up position on, at this run's global batch.
+
+    The epoch the backup was in is finished first: the rest of its seeded order from the first image not
+    trained, in batches of the new global batch, the last one holding what is left (so it may be short, as
+    every epoch's last batch may be); the epochs after it are whole, their batches counted from their own
+    first image. Keras counts the steps of an epoch from 0 to `steps` - 1 whatever is left of it, so the
+    resumed epoch's steps are numbered from `first_step`, which leaves exactly the steps its rest needs.
+    """
+
+    settings: Settings  # this run's
+    epoch: int = 0  # the first epoch this run trains
+    image: int = 0  # its images already trained
+    optimizer_step: int = 0  # the optimizer's step count at the backup
+    backed_up_batch: typing.Optional[int] = None  # the global batch the backup was made at; None when fresh
+
+    @classmethod
+    def resuming(cls, position, settings):
+        if position is None:
+            return cls(settings)
+        return cls(settings, position.epoch, position.image, position.optimizer_step,
+                   position.settings.global_batch)
+
+    @property
+    def steps(self):
+        return self.settings.steps
+
+    @property
+    def epoch_images(self):
+        return self.settings.epoch_images
+
+    @property
+    def first_step(self):
+        """The step of the first epoch `fit` starts at: as many steps before the end as its rest needs."""
+        return self.steps - math.ceil((self.epoch_images - self.image) / self.settings.global_batch)
+
+    @property
+    def first_global_step(self):
+        """The first step in this run's own numbering (epoch x steps + step), as `fit` counts."""
+        return self.epoch * self.steps + self.first_step
+
+    @property
+    def step_offset(self):
+        """This run's step number minus the optimizer's step count: the optimizer also counted the steps
+        taken at another global batch before a resize, so its count is no epoch's measure."""
+        return self.first_global_step - self.optimizer_step
+
+    @property
+    def resumed_after_images(self):
+        """The training images the backup had trained: 0 for a fresh run."""
+        return self.epoch * self.epoch_images + self.image
+
+    def train_images(self, epochs):
+        """The images this run trains, to the end of epoch `epochs`."""
+        return max(0, epochs * self.epoch_images - self.resumed_after_images)
+
+    def images_done(self, epoch, last_step):
+        """Images of `epoch` trained once its step `last_step` (Keras's numbering) is done."""
+        first_step, first_image = (self.first_step, self.image) if epoch == self.epoch else (0, 0)
+        return min(first_image + (last_step + 1 - first_step) * self.settings.global_batch, self.epoch_images)
+
+    def position(self, epoch, last_step, optimizer_step):
+        """The Position after step `last_step` of `epoch`, for the backup."""
+        epoch, image = int(epoch), self.images_done(int(epoch), int(last_step))  # Keras may give numpy ints
+        if image == self.epoch_images:
+            epoch, image = epoch + 1, 0
+        return Position(epoch, image, int(optimizer_step), self.settings)
+
+    def describe(self):
+        """Where the run resumes, for people: `epoch 2, image 28,800 of 60,000 (backed up at global batch 64,
+        now 128)`; epochs are counted from 1, as Keras's progress bar counts them."""
+        where = f"epoch {self.epoch + 1}, image {self.image:,} of {self.epoch_images:,}"
+        if self.backed_up_batch == self.settings.global_batch:
+            return where
+        return f"{where} (backed up at global batch {self.backed_up_batch}, now {self.settings.global_batch})"
+
+
+def start(backup_dir, settings, *, epochs, overwrite):
+    """This run's Plan: from the backup in `backup_dir` if there is one it can continue (UsageError if there is
+    one it cannot), from the beginning with --overwrite or without a backup."""
+    position = None if overwrite else read(backup_dir)
+    if position is not None:
+        check(position, settings, epochs=epochs, backup_dir=backup_dir)
+    return Plan.resuming(position, settings)
