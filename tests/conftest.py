@@ -7,6 +7,7 @@ import gzip
 import json
 import os
 import pathlib
+import re
 import socket
 import struct
 import subprocess
@@ -150,12 +151,13 @@ class Worker:
     reads fill up and stall it), unbuffered so that a test can follow its progress, and its TMPDIR is a folder
     of its own, so a test sees what it leaves there."""
 
-    def __init__(self, args, env, directory, name):
+    def __init__(self, args, env, directory, name, run_in=()):
+        """`run_in`: a command prefix that runs it elsewhere, e.g. on another host (tests/netns.py)."""
         self.scratch = directory / name
         self.scratch.mkdir()
         self.stdout_path, self.stderr_path = directory / f"{name}.stdout", directory / f"{name}.stderr"
         with open(self.stdout_path, "w") as out, open(self.stderr_path, "w") as err:
-            self.proc = subprocess.Popen([sys.executable, "train_mnist_mirrored.py", *args], cwd=ROOT,
+            self.proc = subprocess.Popen([*run_in, sys.executable, "train_mnist_mirrored.py", *args], cwd=ROOT,
                                          env={**subprocess_env(), "PYTHONUNBUFFERED": "1",
                                               "TMPDIR": str(self.scratch), **env},
                                          stdout=out, stderr=err, text=True)
@@ -200,6 +202,50 @@ def run_entrypoint(args, directory, env=None, timeout=600):
     worker = Worker(args, env or {}, pathlib.Path(directory), os.path.basename(name))
     finish([worker], timeout)
     return worker
+
+
+def backed_up_images(backup_dir):
+    """The training images the backup in `backup_dir` has trained (0 without one), or None while its checkpoint
+    is being replaced."""
+    import resume
+
+    try:
+        position = resume.read(backup_dir)
+    except Exception:  # noqa: BLE001 - read while the checkpoint was being replaced; look again
+        return None
+    return position.epoch * position.settings.epoch_images + position.image if position else 0
+
+
+def images_at(output, what):
+    """The training images done at each "<what> ... at epoch E, image I of N" in `output`: (E - 1) x N + I. The
+    run says so where it stops after SIGTERM ("pre-empted (SIGTERM)") and where it resumes ("Resuming from")."""
+    number = r"(\d[\d,]*)"
+    found = re.findall(re.escape(what) + rf"[^\n]*? at epoch {number}, image {number} of {number}", output)
+    return [(int(epoch) - 1) * int(size.replace(",", "")) + int(image.replace(",", ""))
+            for epoch, image, size in found]
+
+
+def wait_for_backup_after(backup_dir, images, running):
+    """Returns once a backup past `images` training images is on disk; fails if `running()` turns false first."""
+    while (backed_up_images(backup_dir) or 0) <= images:
+        assert running(), f"the run ended before a backup past image {images}"
+        time.sleep(0.1)
+
+
+def skip_unless_ci(reason):
+    """Skips a test the machine cannot run (no root, a package or daemon missing); CI, which must run every
+    test (.ci/run installs what they need and sets CI), fails instead."""
+    if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
+        pytest.fail(f"{reason}, and CI must run this test")
+    pytest.skip(reason)
+
+
+def started(kind, *args, **kwargs):
+    """kind(*args, **kwargs), for daemons or network namespaces; if they cannot start, skip_unless_ci."""
+    try:
+        return kind(*args, **kwargs)
+    except (RuntimeError, subprocess.CalledProcessError) as err:
+        skip_unless_ci(f"{kind.__name__} did not start: {getattr(err, 'stderr', None) or err}")
 
 
 def assert_one_port_warning(stderr, port):
