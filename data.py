@@ -37,6 +37,7 @@ ONLINE_PROBE_SECONDS = 3
 PREPARE_HINT = "python data.py prepare --idx-dir DIR_WITH_IDX_FILES"
 PREPARE_LOCK = ".mnist-prepare.lock"  # in the data dir; tfds ignores it
 READ_BATCH = 1024  # records parsed per vectorised tf.io.parse_example call
+WHOLE = (0, 1)  # an input pipeline's share of each global batch: the first of one, all of it
 
 
 # ---------------------------------------------------------------- IDX files -> prepared tfds dir
@@ -254,26 +255,48 @@ def for_distribution(dataset):
     return _untuned(dataset.with_options(options))
 
 
-def distribute(strategy, dataset):
-    """What `fit` is given: the training stream across the strategy's replicas.
+def distribute(strategy, make_dataset):
+    """What `fit` is given: the training stream across the strategy's replicas, from `make_dataset(share=...)`,
+    which builds the stream of one input pipeline's share of every global batch (`pipeline_share`).
 
     Keras hands a plain dataset to the strategy's multi-device iterator, which copies each batch to its
     replica's device from a background thread through a device-side pipeline of tf.data's default options.
     Its autotuner thread ignores the iterator's teardown until its next tuning round: `fit` returned up to
     6.5 s after its last epoch, in 2 of 4 runs of 3 epochs (docs/performance.md); evaluation's short-lived
-    iterators are left to Keras, which also wants a step count for anything else. A single replica of
-    MirroredStrategy has nothing to split, so it reads the dataset as it is, through the strategy's own
-    per-replica input (no fetch to a device, no autotuner), one batch read ahead. Several replicas or
-    workers keep Keras's path and its rebatching, which multi-worker sharding and partial last batches
-    rely on.
+    iterators are left to Keras, which also wants a step count for anything else. Under multi-worker, Keras's
+    path also has every worker gather and scale the whole global batch, rebatch it and keep only its own part.
+
+    So a single replica of MirroredStrategy, which has nothing to split, reads the stream through the strategy's
+    own per-replica input (no fetch to a device, no multi-device iterator, no autotuner), one batch read ahead.
+    Under MultiWorkerMirroredStrategy with one replica per worker, each worker's input pipeline gathers only
+    its own share of each global batch, split as TensorFlow's rebatching splits it; TensorFlow still puts a
+    multi-device iterator behind it (it refuses per-replica input for this strategy). Several replicas in one
+    process (several GPUs, --cpu-replicas, workers with several GPUs) keep Keras's path.
     """
-    if not isinstance(strategy, tf.distribute.MirroredStrategy) or strategy.num_replicas_in_sync != 1:
-        return dataset
-    options = tf.distribute.InputOptions(
-        experimental_replication_mode=tf.distribute.InputReplicationMode.PER_REPLICA,
-        experimental_fetch_to_device=False)
-    ahead = dataset.prefetch(1)
-    return strategy.distribute_datasets_from_function(lambda context: ahead, options)
+    single = isinstance(strategy, tf.distribute.MirroredStrategy) and strategy.num_replicas_in_sync == 1
+    per_worker = (isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy)
+                  and len(strategy.extended.worker_devices) == 1)
+    if not (single or per_worker):
+        return make_dataset(share=WHOLE)
+    mode = tf.distribute.InputReplicationMode.PER_REPLICA if single else tf.distribute.InputReplicationMode.PER_WORKER
+    options = tf.distribute.InputOptions(experimental_replication_mode=mode, experimental_fetch_to_device=False)
+
+    def pipeline(context):
+        return make_dataset(share=(context.input_pipeline_id, context.num_input_pipelines)).prefetch(1)
+
+    return strategy.distribute_datasets_from_function(pipeline, options)
+
+
+def pipeline_share(batch, index, count):
+    """Input pipeline `index` of `count`'s part of a global batch of example indices: a contiguous slice, sizes
+    differing by at most one, the first pipelines taking the extra examples of a short batch. That is how
+    TensorFlow's own rebatching splits a global batch between workers (a last batch of 3 gives 2 and 1, of 1
+    gives 1 and none), and each replica's loss is the mean over its own examples, so the split decides how much
+    each example of a partial batch weighs in the gradient: the same split keeps the same gradients."""
+    size = tf.shape(batch, out_type=tf.int64)[0]
+    base, extra = size // count, size % count
+    start = index * base + tf.minimum(tf.constant(index, tf.int64), extra)
+    return batch[start:start + base + tf.cast(index < extra, tf.int64)]
 
 
 def _batches(images, labels, indices):
@@ -303,8 +326,10 @@ def index_batches(num_examples, *, buffer_size, seed, global_batch, first_epoch,
     return tf.data.Dataset.range(first_epoch, epochs).flat_map(one_epoch)
 
 
-def train_dataset(images, labels, *, buffer_size, global_batch, seed, first_epoch, first_image, epoch_images, epochs):
-    """All batches from image `first_image` of epoch `first_epoch` on, gathered from the resident training split.
+def train_dataset(images, labels, *, buffer_size, global_batch, seed, first_epoch, first_image, epoch_images, epochs,
+                  share=WHOLE):
+    """All batches from image `first_image` of epoch `first_epoch` on, gathered from the resident training split;
+    with `share` (index, count), only that input pipeline's part of each (`pipeline_share`).
 
     The tutorial's `map(scale).cache().shuffle(buffer).batch(batch)` shuffles examples through a buffer of
     `buffer_size`; here the same seeded shuffle runs over example indices (`index_batches`), which gives the
@@ -315,6 +340,8 @@ def train_dataset(images, labels, *, buffer_size, global_batch, seed, first_epoc
     indices = index_batches(int(images.shape[0]), buffer_size=buffer_size, seed=seed, global_batch=global_batch,
                             first_epoch=first_epoch, first_image=first_image, epoch_images=epoch_images,
                             epochs=epochs)
+    if share != WHOLE:
+        indices = indices.map(lambda batch: pipeline_share(batch, *share))
     # Repeated so that the stream never ends under `fit`, which stops after its epochs by itself.
     return for_distribution(_batches(images, labels, indices.repeat()))
 

@@ -43,7 +43,17 @@ def device_names(strategy):
     return list(getattr(strategy.extended, "worker_devices", ["/cpu:0"]))
 
 
-def results(cfg, strategy, *, parameters, global_batch, plan, train_images, train_seconds, accuracies):
+def peak_gpu_memory_mb(strategy):
+    """The most memory TensorFlow's allocator held on each of the strategy's GPUs so far; None without GPUs.
+    With the default allocator TensorFlow reserves nearly all of a GPU at start, so nvidia-smi cannot tell."""
+    import tensorflow as tf
+
+    gpus = [name.rsplit("device:", 1)[-1] for name in device_names(strategy) if "GPU" in name.upper()]
+    return {gpu: round(tf.config.experimental.get_memory_info(gpu)["peak"] / 2**20, 1) for gpu in gpus} or None
+
+
+def results(cfg, strategy, *, parameters, global_batch, plan, train_images, train_seconds, train_cpu_seconds,
+            accuracies):
     """The figures of results.json; `plan` is where training started (resume.Plan), `accuracies` are the
     checkpoint's, the reloaded SavedModel's, and the SavedModel's reloaded in the strategy's scope."""
     from callbacks import learning_rate_scale
@@ -63,6 +73,8 @@ def results(cfg, strategy, *, parameters, global_batch, plan, train_images, trai
         "train_images": train_images,
         "train_seconds": round(train_seconds, 3),
         "train_images_per_s": round(train_images / train_seconds, 1) if train_seconds else None,
+        "train_cpu_seconds": round(train_cpu_seconds, 3),
+        "peak_gpu_memory_mb": peak_gpu_memory_mb(strategy),
         "eval_accuracy_checkpoint": float(checkpoint),
         "eval_accuracy_unreplicated": float(unreplicated),
         "eval_accuracy_replicated": float(replicated),

@@ -7,6 +7,7 @@ exported and reloaded without and with the strategy's scope, both evaluated, and
 Figures go to results.json; a short summary for people follows them.
 """
 
+import functools
 import json
 import os
 import sys
@@ -15,6 +16,11 @@ import time
 # TensorFlow's C++ INFO and WARNING lines once it runs (input-pipeline notices); errors still show. This does
 # not reach the notices TensorFlow prints while it starts: see terminal.start_tensorflow.
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+# TensorFlow's CPU tensors from its own BFC allocator, which keeps freed memory for the next step, instead of
+# malloc. With malloc, a worker of a multi-worker run took about 6,000 fresh pages a step (zeroed by the kernel,
+# then unmapped), a quarter of its CPU time; one replica took almost none, and is as fast either way
+# (docs/performance.md, "Several workers"). Read when TensorFlow makes its first CPU device; a user's setting wins.
+os.environ.setdefault("TF_CPU_ALLOCATOR_USE_BFC", "true")
 
 import cluster
 import config
@@ -92,19 +98,20 @@ def make_strategy(cfg, tf):
 
 def fit(cfg, model, train, test, *, plan, work_dir, preemption):
     """Step 4's `fit` with the tutorial's callbacks and the backup, from the plan's position; returns its wall
-    seconds."""
+    seconds and the CPU seconds this process spent meanwhile (all its threads), which the scaling benchmark
+    compares."""
     import callbacks
 
     cbs = callbacks.make_callbacks(cfg, log_dir=os.path.join(work_dir, cfg.log_dir),
                                    checkpoint_dir=cfg.path(cfg.checkpoint_dir), backup_dir=cfg.path(cfg.backup_dir),
                                    plan=plan, preemption=preemption)
-    start = time.perf_counter()
+    start, start_cpu = time.perf_counter(), time.process_time()
     # The backup callback sets Keras's own counters to the plan's epoch and step; initial_epoch says the same.
     # With --validation, Keras evaluates the test split at each epoch's end; TensorBoard's callback writes
     # those figures to a `validation` run beside `train`.
     model.fit(train, epochs=cfg.epochs, initial_epoch=plan.epoch, steps_per_epoch=plan.steps, callbacks=cbs,
               validation_data=test if cfg.validation else None)
-    return time.perf_counter() - start
+    return time.perf_counter() - start, time.process_time() - start_cpu
 
 
 def run(cfg, preemption):
@@ -139,9 +146,10 @@ def run(cfg, preemption):
                                                                      global_batch=global_batch),
                         epochs=cfg.epochs, overwrite=cfg.overwrite)
     work_dir = outputs.work_dir(cfg, is_chief)
-    train = data.distribute(strategy, data.train_dataset(
-        train_images, train_labels, buffer_size=cfg.buffer_size, global_batch=global_batch, seed=cfg.seed,
-        first_epoch=plan.epoch, first_image=plan.image, epoch_images=plan.epoch_images, epochs=cfg.epochs))
+    train = data.distribute(strategy, functools.partial(
+        data.train_dataset, train_images, train_labels, buffer_size=cfg.buffer_size, global_batch=global_batch,
+        seed=cfg.seed, first_epoch=plan.epoch, first_image=plan.image, epoch_images=plan.epoch_images,
+        epochs=cfg.epochs))
     test = data.eval_dataset(*test_split, global_batch=global_batch)
 
     # Step 3: the model, compiled inside the strategy's scope.
@@ -156,9 +164,10 @@ def run(cfg, preemption):
     # Step 4: training, from the first image the backup had not trained.
     if plan.resumed_after_images:
         print(f"Resuming from the backup in {cfg.path(cfg.backup_dir)} at {plan.describe()}")
-    train_seconds, trained = 0.0, plan.train_images(cfg.epochs)
+    train_seconds, train_cpu_seconds, trained = 0.0, 0.0, plan.train_images(cfg.epochs)
     if trained:
-        train_seconds = fit(cfg, model, train, test, plan=plan, work_dir=work_dir, preemption=preemption)
+        train_seconds, train_cpu_seconds = fit(cfg, model, train, test, plan=plan, work_dir=work_dir,
+                                               preemption=preemption)
 
     # Step 5: the latest checkpoint, restored and evaluated. A non-chief that just trained skips the restore:
     # synchronous training left it the chief's weights, and the chief may still be writing that checkpoint.
@@ -177,7 +186,8 @@ def run(cfg, preemption):
 
     figures = outputs.results(
         cfg, strategy, parameters=model.count_params(), global_batch=global_batch, plan=plan, train_images=trained,
-        train_seconds=train_seconds, accuracies=(accuracy_checkpoint, accuracy_unreplicated, accuracy_replicated))
+        train_seconds=train_seconds, train_cpu_seconds=train_cpu_seconds,
+        accuracies=(accuracy_checkpoint, accuracy_unreplicated, accuracy_replicated))
     outputs.finish(cfg, figures, is_chief=is_chief, work_dir=work_dir)
     print(json.dumps(figures, indent=2))
     print()

@@ -137,7 +137,7 @@ def project_round(datasets, info, cfg, strategy, epochs, work_dir, variant):
         options.autotune.enabled = True
         train = train.with_options(options)
     if variant.get("distribute", True):
-        train = data.distribute(strategy, train)
+        train = data.distribute(strategy, lambda share, ready=train: ready)  # one replica: its share is all
     with strategy.scope():
         model = compile_model(build_model(), steps_per_execution=cfg.steps_per_execution,
                               jit_compile=cfg.jit_compile, fused_adam=cfg.fused_adam)

@@ -67,12 +67,12 @@ def test_one_replica_gets_the_same_batches_without_the_multi_device_iterator(loa
     _, _, arrays = loaded
     steps = data.steps_per_epoch(NUM_TRAIN, BATCH)
 
-    def stream():
+    def stream(share=data.WHOLE):
         return data.train_dataset(*arrays["train"], buffer_size=BUFFER, global_batch=BATCH, seed=SEED,
-                                  first_epoch=0, first_image=0, epoch_images=NUM_TRAIN, epochs=2)
+                                  first_epoch=0, first_image=0, epoch_images=NUM_TRAIN, epochs=2, share=share)
 
     strategy = tf.distribute.MirroredStrategy(["/cpu:0"])
-    distributed = data.distribute(strategy, stream())
+    distributed = data.distribute(strategy, stream)
     assert isinstance(distributed, tf.distribute.DistributedDataset)
     iterator = iter(distributed)
     # The strategy's per-replica input reads the dataset itself: no multi-device iterator (whose device-side

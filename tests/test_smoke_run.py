@@ -106,6 +106,8 @@ def test_smoke_run_results_json(smoke_ok):
     assert results["replicas"] >= 1
     assert results["steps_per_epoch"] == SMOKE_STEPS
     assert results["train_images_per_s"] > 0
+    # CPU seconds of `fit` (the scaling benchmark's images per CPU-second); no GPU here, so no GPU memory figure.
+    assert 0 < results["train_cpu_seconds"] and results["peak_gpu_memory_mb"] is None
     acc = results["eval_accuracy_checkpoint"]
     assert results["eval_accuracy_unreplicated"] == acc
     assert results["eval_accuracy_replicated"] == acc

@@ -1,0 +1,188 @@
+"""Multi-worker scaling: the default run on one replica, on one worker, and on two workers, one core each.
+
+    python benchmarks/scaling.py --data-dir DIR            # per-replica batch 64 and 256, 2 epochs, 2 rounds
+    python benchmarks/scaling.py --data-dir DIR --quick    # batch 64, 1 epoch of at most 100 steps, 2 rounds
+
+Each configuration runs train_mnist_mirrored.py itself, in fresh processes, on a prepared data dir:
+
+- 1 replica: `--strategy mirrored` on the first core;
+- 1 worker: `--strategy multiworker` with a one-worker TF_CONFIG, on the first core;
+- 2 workers: two processes on loopback, one core each, with the same per-replica batch (so twice the global batch).
+
+Every process is pinned to its core (sched_setaffinity, as `taskset -c` does) and told to use one thread for
+TensorFlow's op pools (TF_NUM_INTRAOP_THREADS=1, TF_NUM_INTEROP_THREADS=1): pinned alone, TensorFlow still sizes
+its pools for every core of the machine, and one core then runs twice the threads (a bare train step measured
+6.5 ms against 13 ms here). A configuration's figure is the run's own `train_images_per_s` (training images over
+the wall seconds of `fit`, first epoch and tracing included), and its images per CPU-second of `fit`, summed
+over its processes (`train_cpu_seconds` of results.json), which neither the hypervisor's steal nor other
+programs' load on the machine blurs as much. The rounds alternate the order of the configurations (A B C, then
+C B A), and the table gives medians over rounds with the load average when each run started (`uptime`'s first
+figure): on a shared machine only figures measured side by side in one run compare.
+
+The 2-worker efficiency is the 2-worker images/s over twice the 1-replica images/s: 1.0 would be perfect
+scaling; the CPU efficiency is the same ratio of images per CPU-second. Figures go to benchmarks/scaling.json.
+"""
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from config import EXIT_BAD_INPUT, EXIT_OK, UsageError  # noqa: E402  (config imports nothing heavy)
+
+ENTRYPOINT = os.path.join(ROOT, "train_mnist_mirrored.py")
+CONFIGURATIONS = ("1 replica", "1 worker", "2 workers")
+ONE_THREAD = {"TF_NUM_INTRAOP_THREADS": "1", "TF_NUM_INTEROP_THREADS": "1"}
+QUICK = {"epochs": 1, "steps_per_epoch": 100, "batches": "64", "rounds": 2}
+RUN_TIMEOUT_S = 1800
+RATES = ("images_per_s", "images_per_cpu_s")  # wall (what a user waits for), CPU (what load blurs less)
+
+
+def free_ports(count):
+    sockets = [socket.socket() for _ in range(count)]
+    try:
+        for s in sockets:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
+
+
+def printed_figures(stdout):
+    """The results JSON every worker prints (only the chief writes results.json)."""
+    start = stdout.index("\n{") + 1
+    return json.JSONDecoder().raw_decode(stdout, start)[0]
+
+
+def run_configuration(name, args, batch, work_dir):
+    """Runs one configuration in fresh processes; returns its figures."""
+    cores = sorted(os.sched_getaffinity(0))
+    workers = 2 if name == "2 workers" else 1
+    output_dir = tempfile.mkdtemp(prefix="run-", dir=work_dir)
+    command = [sys.executable, ENTRYPOINT, "--data-dir", args.data_dir, "--output-dir", output_dir,
+               "--epochs", str(args.epochs), "--batch-size-per-replica", str(batch)]
+    if args.steps_per_epoch:
+        command += ["--steps-per-epoch", str(args.steps_per_epoch)]
+    if name != "1 replica":
+        command += ["--strategy", "multiworker"]
+    cluster = {"worker": [f"127.0.0.1:{port}" for port in free_ports(workers)]}
+    load = os.getloadavg()[0]
+    procs = []
+    for index in range(workers):
+        env = {**os.environ, **ONE_THREAD, "TF_CPP_MIN_LOG_LEVEL": "2"}
+        env.pop("TF_CONFIG", None)
+        if name != "1 replica":
+            env["TF_CONFIG"] = json.dumps({"cluster": cluster, "task": {"type": "worker", "index": index}})
+        core = cores[index % len(cores)]
+        procs.append(subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                      text=True, preexec_fn=lambda core=core: os.sched_setaffinity(0, {core})))
+    try:
+        outputs = [proc.communicate(timeout=RUN_TIMEOUT_S) for proc in procs]
+    finally:
+        for proc in procs:
+            proc.kill()
+    for proc, (stdout, stderr) in zip(procs, outputs):
+        if proc.returncode != 0:
+            raise RuntimeError(f"{name} (batch {batch}) exited {proc.returncode}:\n{stderr[-3000:]}")
+    figures = [printed_figures(stdout) for stdout, _ in outputs]
+    chief = figures[0]
+    cpu = sum(f["train_cpu_seconds"] for f in figures)
+    return {"images_per_s": chief["train_images_per_s"], "images_per_cpu_s": chief["train_images"] / cpu,
+            "train_images": chief["train_images"], "global_batch": chief["global_batch_size"],
+            "cpu_seconds": [f["train_cpu_seconds"] for f in figures], "load_average": load,
+            "cores": [cores[index % len(cores)] for index in range(workers)]}
+
+
+def summarize(rounds, args):
+    """Medians per batch and configuration, the one-worker overhead and the 2-worker efficiency."""
+    results = {"epochs": args.epochs, "steps_per_epoch": args.steps_per_epoch, "rounds": args.rounds,
+               "cpu_cores": len(os.sched_getaffinity(0)), "batches": {}}
+    for batch, measured in rounds.items():
+        medians = {name: {key: statistics.median(r[key] for r in runs) for key in RATES}
+                   for name, runs in measured.items()}
+        single, one, two = (medians[name] for name in CONFIGURATIONS)
+        results["batches"][batch] = {
+            "runs": measured,
+            "medians": medians,
+            "one_worker_ratio": one["images_per_s"] / single["images_per_s"],
+            "one_worker_cpu_ratio": one["images_per_cpu_s"] / single["images_per_cpu_s"],
+            "efficiency": two["images_per_s"] / (2 * single["images_per_s"]),
+            "cpu_efficiency": two["images_per_cpu_s"] / single["images_per_cpu_s"],
+        }
+    return results
+
+
+def print_table(results):
+    print(f"\n{'per-replica batch':>17} {'configuration':<10} {'global':>6} {'images/s':>9} {'images/CPU-s':>13} "
+          f"{'load avg':>9}  rounds (images/s)")
+    for batch, figures in results["batches"].items():
+        for name in CONFIGURATIONS:
+            runs, median = figures["runs"][name], figures["medians"][name]
+            loads = "/".join(f"{r['load_average']:.1f}" for r in runs)
+            print(f"{batch:>17} {name:<10} {runs[0]['global_batch']:>6} {median['images_per_s']:>9,.0f} "
+                  f"{median['images_per_cpu_s']:>13,.0f} {loads:>9}  "
+                  + ", ".join(f"{r['images_per_s']:,.0f}" for r in runs))
+        print(f"{batch:>17} 1 worker / 1 replica: {figures['one_worker_ratio']:.2f} (CPU {figures['one_worker_cpu_ratio']:.2f});"
+              f" 2-worker efficiency: {figures['efficiency']:.2f} (CPU {figures['cpu_efficiency']:.2f})")
+    print(f"\nmedians of {results['rounds']} alternated rounds, {results['epochs']} epoch(s) each"
+          + (f" of at most {results['steps_per_epoch']} steps" if results["steps_per_epoch"] else ""))
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--data-dir", required=True, help="a prepared tfds data dir (python data.py prepare ...)")
+    parser.add_argument("--epochs", type=int, default=2, help="epochs per run")
+    parser.add_argument("--steps-per-epoch", type=int, default=None, help="train at most this many steps an epoch")
+    parser.add_argument("--batches", default="64,256", help="comma-separated per-replica batch sizes")
+    parser.add_argument("--rounds", type=int, default=2, help="rounds of every configuration (at least 2 for a median)")
+    parser.add_argument("--quick", action="store_true",
+                        help="for development: batch 64, 1 epoch of at most 100 steps, 2 rounds")
+    parser.add_argument("--output", default=os.path.join(ROOT, "benchmarks", "scaling.json"),
+                        help="JSON file for the figures")
+    if parser.parse_args(argv).quick:
+        parser.set_defaults(**QUICK)  # defaults only: options given beside --quick still win
+    args = parser.parse_args(argv)
+    try:
+        batches = [int(b) for b in args.batches.split(",")]
+        if args.rounds < 1 or args.epochs < 1 or min(batches) < 1:
+            raise UsageError("--rounds, --epochs and every --batches size must be at least 1")
+        if not os.path.isdir(args.data_dir):
+            raise UsageError(f"--data-dir {args.data_dir} does not exist; prepare it with python data.py prepare")
+    except ValueError:
+        print(f"error: --batches {args.batches} is not a comma-separated list of whole numbers; e.g. --batches 64,256",
+              file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except UsageError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+
+    rounds = {batch: {name: [] for name in CONFIGURATIONS} for batch in batches}
+    with tempfile.TemporaryDirectory(prefix="mnist-scaling-") as work_dir:
+        for round_ in range(args.rounds):
+            order = CONFIGURATIONS if round_ % 2 == 0 else CONFIGURATIONS[::-1]
+            for batch in batches:
+                for name in order:
+                    figures = run_configuration(name, args, batch, work_dir)
+                    rounds[batch][name].append(figures)
+                    print(f"round {round_ + 1}  batch {batch:>4}  {name:<10} {figures['images_per_s']:>9,.0f} images/s "
+                          f"{figures['images_per_cpu_s']:>9,.0f} images/CPU-s  load {figures['load_average']:.1f}",
+                          flush=True)
+    results = summarize(rounds, args)
+    print_table(results)
+    os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
+    with open(args.output, "w") as f:
+        json.dump(results, f, indent=2)
+    print(f"figures written to {args.output}")
+    return EXIT_OK
+
+
+if __name__ == "__main__":
+    sys.exit(main())

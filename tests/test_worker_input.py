@@ -1,0 +1,124 @@
+"""Each of two workers gathers only its own share of every global batch, and gets exactly the examples, and so
+the gradients, that Keras's own multi-worker input path gives it, partial last batches included; and the logs
+of each step are the metrics' values, not their sum over the workers."""
+
+import json
+import subprocess
+import sys
+import textwrap
+
+from conftest import ROOT, free_ports, subprocess_env
+
+# Runs in each worker's process: a strategy needs a process of its own.
+WORKER_SCRIPT = textwrap.dedent("""
+    import functools, json, sys
+    import numpy as np
+    import tensorflow as tf
+    import data
+    from model import build_model, compile_model, keras
+
+    strategy = tf.distribute.MultiWorkerMirroredStrategy(
+        communication_options=tf.distribute.experimental.CommunicationOptions(
+            implementation=tf.distribute.experimental.CommunicationImplementation.RING))
+    keras.utils.set_random_seed(1)  # as the run does, before its data
+    rng = np.random.default_rng(0)
+    PER_REPLICA = 4
+    global_batch = PER_REPLICA * strategy.num_replicas_in_sync
+    out = {}
+    # 19 examples end each epoch with a batch of 3 (shares of 2 and 1), 17 with a batch of 1 (1 and none).
+    for num_examples in (19, 17):
+        images = tf.constant(rng.integers(0, 256, (num_examples, 28, 28, 1), dtype=np.uint8))
+        labels = tf.constant(rng.integers(0, 10, num_examples), tf.int64)
+        steps = data.steps_per_epoch(num_examples, global_batch)
+        make_dataset = functools.partial(data.train_dataset, images, labels, buffer_size=8, global_batch=global_batch,
+                                         seed=3, first_epoch=0, first_image=0, epoch_images=num_examples,
+                                         epochs=2)
+        paths = {"project": data.distribute(strategy, make_dataset),
+                 "keras": strategy.experimental_distribute_dataset(make_dataset(share=data.WHOLE))}
+
+        def labels_seen(distributed):
+            iterator = iter(distributed)
+            return [strategy.experimental_local_results(next(iterator)[1])[0].numpy().tolist()
+                    for _ in range(2 * steps)]
+
+        with strategy.scope():
+            initial = build_model().get_weights()
+        for name, distributed in paths.items():
+            out[f"labels_{name}_{num_examples}"] = labels_seen(distributed)
+            with strategy.scope():
+                model = build_model()
+                model.set_weights(initial)
+                model.compile(optimizer=keras.optimizers.SGD(0.5),
+                              loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+            # Keras's path is handed the plain dataset, as `fit` gets it from users.
+            model.fit(make_dataset(share=data.WHOLE) if name == "keras" else distributed, epochs=2,
+                      steps_per_epoch=steps, verbose=0)
+            out[f"weights_{name}_{num_examples}"] = [w.tolist() for w in model.get_weights()]
+        out[f"initial_{num_examples}"] = [w.tolist() for w in initial]
+
+    # The project's compile: the logs of an epoch's last step (what the progress bar and batch-level callbacks
+    # show) against the epoch's own figures, which Keras recomputes from the metrics.
+    with strategy.scope():
+        model = compile_model(build_model(), steps_per_execution=steps)
+    seen = []
+    logs_seen = keras.callbacks.LambdaCallback(on_train_batch_end=lambda batch, logs: seen.append(dict(logs)))
+    history = model.fit(paths["project"], epochs=1, steps_per_epoch=steps, verbose=0, callbacks=[logs_seen])
+    out["step_logs"], out["epoch_logs"] = seen[-1], {k: v[-1] for k, v in history.history.items()}
+    json.dump(out, open(sys.argv[1], "w"))
+""")
+
+
+def _max_abs_diff(a, b):
+    import numpy as np
+
+    return max(float(np.max(np.abs(np.asarray(u) - np.asarray(v)))) for u, v in zip(a, b))
+
+
+def test_two_workers_get_keras_shares_and_gradients(tmp_path):
+    cluster = {"worker": [f"127.0.0.1:{port}" for port in free_ports(2)]}
+    procs = []
+    for index in range(2):
+        env = {**subprocess_env(), "PYTHONPATH": ROOT,
+               "TF_CONFIG": json.dumps({"cluster": cluster, "task": {"type": "worker", "index": index}})}
+        procs.append(subprocess.Popen([sys.executable, "-c", WORKER_SCRIPT, str(tmp_path / f"w{index}.json")], cwd=ROOT,
+                                      env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    try:
+        errors = [proc.communicate(timeout=300)[1] for proc in procs]
+    finally:
+        for proc in procs:
+            proc.kill()
+    for proc, stderr in zip(procs, errors):
+        assert proc.returncode == 0, stderr[-3000:]
+    workers = [json.loads((tmp_path / f"w{index}.json").read_text()) for index in range(2)]
+
+    for num_examples, last_shares in ((19, [2, 1]), (17, [1, 0])):
+        steps = -(-num_examples // 8)
+        for w in workers:
+            # Step by step, the same examples as Keras's rebatching gives this worker, over two epochs.
+            assert w[f"labels_project_{num_examples}"] == w[f"labels_keras_{num_examples}"]
+        # The workers' shares make up each global batch: 4 and 4, then the short last batch split first-heavy.
+        sizes = [[len(w[f"labels_project_{num_examples}"][step]) for w in workers] for step in range(steps)]
+        assert sizes == [[4, 4]] * (steps - 1) + [last_shares]
+        # The same gradients, so the same weights after two epochs of SGD (partial batches included), on both.
+        moved = _max_abs_diff(workers[0][f"initial_{num_examples}"], workers[0][f"weights_keras_{num_examples}"])
+        assert moved > 1e-3, "training must move the weights for the comparison to mean anything"
+        for w in workers:
+            assert _max_abs_diff(w[f"weights_project_{num_examples}"], w[f"weights_keras_{num_examples}"]) < 1e-6
+    # Step logs are the metrics as they are, not summed over the two workers (Keras's default doubled them).
+    for w in workers:
+        assert set(w["step_logs"]) == {"loss", "accuracy"}
+        for name, value in w["epoch_logs"].items():
+            assert abs(w["step_logs"][name] - value) < 1e-6 * max(1.0, abs(value)), (name, w["step_logs"], value)
+
+
+def test_the_entrypoint_keeps_cpu_memory_in_tensorflows_allocator():
+    """Set before TensorFlow starts (it reads it once, for its first CPU device); a user's own setting wins."""
+    check = "import os, train_mnist_mirrored; print(os.environ['TF_CPU_ALLOCATOR_USE_BFC'])"
+    for given, expected in ((None, "true"), ("false", "false")):
+        env = {**subprocess_env(), "PYTHONPATH": ROOT}
+        env.pop("TF_CPU_ALLOCATOR_USE_BFC", None)
+        if given:
+            env["TF_CPU_ALLOCATOR_USE_BFC"] = given
+        proc = subprocess.run([sys.executable, "-c", check], cwd=ROOT, env=env, capture_output=True, text=True,
+                              timeout=60)
+        assert proc.returncode == 0 and proc.stdout.strip() == expected, proc.stderr[-2000:]
