@@ -35,7 +35,8 @@ import tempfile
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from config import EXIT_BAD_INPUT, EXIT_OK, UsageError  # noqa: E402  (config imports nothing heavy)
+import outputs  # noqa: E402  (outputs and config import nothing heavy)
+from config import EXIT_BAD_INPUT, EXIT_OK, UsageError  # noqa: E402
 
 ENTRYPOINT = os.path.join(ROOT, "train_mnist_mirrored.py")
 CONFIGURATIONS = ("1 replica", "1 worker", "2 workers")
@@ -178,8 +179,7 @@ def main(argv=None):
     results = summarize(rounds, args)
     print_table(results)
     os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
-    with open(args.output, "w") as f:
-        json.dump(results, f, indent=2)
+    outputs.write_json(args.output, results)
     print(f"figures written to {args.output}")
     return EXIT_OK
 

@@ -35,6 +35,7 @@ import tensorflow as tf  # noqa: E402
 
 import callbacks  # noqa: E402
 import data  # noqa: E402
+import outputs  # noqa: E402
 import resume  # noqa: E402
 from config import EXIT_BAD_INPUT, EXIT_OK, Config, UsageError  # noqa: E402
 from model import build_model, compile_model, keras  # noqa: E402
@@ -284,8 +285,7 @@ def main(argv=None):
     results = summarize(rounds, args)
     print_table(results)
     os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
-    with open(args.output, "w") as f:
-        json.dump(results, f, indent=2)
+    outputs.write_json(args.output, results)
     print(f"figures written to {args.output}")
     work.cleanup()
     return EXIT_OK
