@@ -248,6 +248,27 @@ def _untuned(dataset):
     return dataset.with_options(options)
 
 
+def untune_device_pipelines():
+    """Turns the autotuner off in the device-side pipelines TensorFlow's multi-device iterator builds for each
+    replica, as `_untuned` does for ours: they are built with tf.data's default options, which nothing passed
+    to a strategy or to Keras reaches, and destroying one waits for its tuning thread's next round. That made a
+    two-worker `fit` return 17 s after its last epoch (300-step epochs, 2026-12-03; the wait grows with the run,
+    up to the tuner's 60 s period), and every evaluation's end wait too. Each pipeline only prefetches one batch
+    into a fixed buffer, so there is nothing to tune. TensorFlow's private `_create_device_dataset` is wrapped;
+    should a later TensorFlow drop it, runs go on with the wait (tests/test_worker_input.py notices)."""
+    from tensorflow.python.data.ops import multi_device_iterator_ops
+
+    create = getattr(multi_device_iterator_ops, "_create_device_dataset", None)
+    if create is None or getattr(create, "untuned", False):
+        return
+
+    def create_untuned(*args, **kwargs):
+        return _untuned(create(*args, **kwargs))
+
+    create_untuned.untuned = True
+    multi_device_iterator_ops._create_device_dataset = create_untuned
+
+
 def for_distribution(dataset):
     options = tf.data.Options()
     # MNIST is one file per split, so multi-worker sharding must split examples, not files.
@@ -271,8 +292,11 @@ def distribute(strategy, make_dataset):
     Under MultiWorkerMirroredStrategy with one replica per worker, each worker's input pipeline gathers only
     its own share of each global batch, split as TensorFlow's rebatching splits it; TensorFlow still puts a
     multi-device iterator behind it (it refuses per-replica input for this strategy). Several replicas in one
-    process (several GPUs, --cpu-replicas, workers with several GPUs) keep Keras's path.
+    process (several GPUs, --cpu-replicas, workers with several GPUs) keep Keras's path. Wherever a
+    multi-device iterator remains, evaluation's included, its device-side pipelines are built untuned
+    (`untune_device_pipelines`).
     """
+    untune_device_pipelines()
     single = isinstance(strategy, tf.distribute.MirroredStrategy) and strategy.num_replicas_in_sync == 1
     per_worker = (isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy)
                   and len(strategy.extended.worker_devices) == 1)

@@ -85,6 +85,26 @@ def test_one_replica_gets_the_same_batches_without_the_multi_device_iterator(loa
         np.testing.assert_array_equal(got_labels.numpy(), labels)
 
 
+def test_multi_device_iterators_build_their_device_pipelines_untuned(loaded):
+    """Several workers and every evaluation still read through TensorFlow's multi-device iterator; once the run
+    has distributed its input, the device-side pipelines that iterator builds have tf.data's autotuner off (its
+    thread, waited for at teardown, held a two-worker `fit` 17 s after its last epoch)."""
+    _, _, arrays = loaded
+    test = data.eval_dataset(*arrays["test"], global_batch=BATCH)
+    data.distribute(tf.distribute.MirroredStrategy(["/cpu:0"]), lambda share: test)
+    strategy = tf.distribute.MirroredStrategy(["/cpu:0"])
+    iterator = iter(strategy.experimental_distribute_dataset(test))  # what Keras's evaluate builds
+    multi_device = iterator._iterators[0]._iterator
+    assert "MultiDevice" in type(multi_device).__name__
+    device_pipelines = [device_iterator._dataset for device_iterator in multi_device._device_iterators]
+    assert device_pipelines and all(ds.options().autotune.enabled is False for ds in device_pipelines)
+    # The same batches come through.
+    got_images, got_labels = next(iterator)
+    images, labels = next(iter(test))
+    np.testing.assert_array_equal(got_images.numpy(), images.numpy())
+    np.testing.assert_array_equal(got_labels.numpy(), labels.numpy())
+
+
 def test_eval_batches_are_the_test_split_in_order(loaded):
     datasets, _, arrays = loaded
     got = list(tfds.as_numpy(data.eval_dataset(*arrays["test"], global_batch=BATCH)))
