@@ -59,8 +59,9 @@ def test_bad_numbers_are_refused(flags, words, quick_args, tmp_path, capsys):
     (["--cross-device-ops", "reduce-to-one", "--strategy", "default"], ["--cross-device-ops", "mirrored"]),
     (["--communication", "ring"], ["--communication", "multiworker", "--cross-device-ops"]),
     (["--cross-device-ops", "nccl", "--cpu-replicas", "2"], ["nccl", "--cpu-replicas", "reduce-to-one"]),
+    (["--step-metrics", "all"], ["--step-metrics", "multiworker"]),
 ], ids=["warmup-without-scale", "warmup-1", "cross-device-ops-not-mirrored", "communication-not-multiworker",
-        "nccl-on-cpu-replicas"])
+        "nccl-on-cpu-replicas", "step-metrics-not-multiworker"])
 def test_option_combinations_are_refused(flags, words, quick_args, tmp_path, monkeypatch, capsys):
     monkeypatch.delenv("TF_CONFIG", raising=False)
     rc = train_mnist_mirrored.main(quick_args(*flags))

@@ -1,6 +1,6 @@
 """Each of two workers gathers only its own share of every global batch, and gets exactly the examples, and so
 the gradients, that Keras's own multi-worker input path gives it, partial last batches included; and the logs
-of each step are the metrics' values, not their sum over the workers."""
+of each step are the metrics' values, not their sum over the workers, or by default each worker's own."""
 
 import json
 import subprocess
@@ -64,6 +64,20 @@ WORKER_SCRIPT = textwrap.dedent("""
     logs_seen = keras.callbacks.LambdaCallback(on_train_batch_end=lambda batch, logs: seen.append(dict(logs)))
     history = model.fit(paths["project"], epochs=1, steps_per_epoch=steps, verbose=0, callbacks=[logs_seen])
     out["step_logs"], out["epoch_logs"] = seen[-1], {k: v[-1] for k, v in history.history.items()}
+
+    # The run's default under multiworker: each step shows this worker's running means, read without an
+    # all-reduce; the epoch's figures, and evaluation's, are still all workers'.
+    evaluation = make_dataset(share=data.WHOLE)
+    with strategy.scope():
+        local = compile_model(build_model(), steps_per_execution=steps, worker_step_metrics=True)
+        local.set_weights(model.get_weights())
+    out["evaluate_all"] = model.evaluate(evaluation, steps=steps, verbose=0)
+    out["evaluate_worker"] = local.evaluate(evaluation, steps=steps, verbose=0)
+    seen.clear()
+    history = local.fit(data.distribute(strategy, make_dataset), epochs=1, steps_per_epoch=steps, verbose=0,
+                        callbacks=[logs_seen])
+    out["worker_step_logs"], out["worker_epoch_logs"] = seen[-1], {k: v[-1] for k, v in history.history.items()}
+    out["worker_examples"] = sum(len(labels) for labels in out[f"labels_project_{num_examples}"][:steps])
     json.dump(out, open(sys.argv[1], "w"))
 """)
 
@@ -109,6 +123,19 @@ def test_two_workers_get_keras_shares_and_gradients(tmp_path):
         assert set(w["step_logs"]) == {"loss", "accuracy"}
         for name, value in w["epoch_logs"].items():
             assert abs(w["step_logs"][name] - value) < 1e-6 * max(1.0, abs(value)), (name, w["step_logs"], value)
+    # With each worker's own step figures (the run's default under multiworker): the epoch's figures are the
+    # same on both workers, and they are the mean of the workers' figures weighted by how many examples each
+    # trained on (9 and 8 of 17), so the step figures were each worker's own running means; evaluation's
+    # result is all workers', as with Keras's own per-step all-reduce.
+    examples = [w["worker_examples"] for w in workers]
+    assert examples == [9, 8]
+    assert workers[0]["worker_step_logs"] != workers[1]["worker_step_logs"]
+    for name, value in workers[0]["worker_epoch_logs"].items():
+        assert abs(workers[1]["worker_epoch_logs"][name] - value) < 1e-6
+        weighted = sum(w["worker_step_logs"][name] * n for w, n in zip(workers, examples)) / sum(examples)
+        assert abs(weighted - value) < 1e-5 * max(1.0, abs(value)), (name, weighted, value)
+    for w in workers:
+        assert w["evaluate_worker"] == w["evaluate_all"] == workers[0]["evaluate_all"]
 
 
 def test_the_entrypoint_keeps_cpu_memory_in_tensorflows_allocator():
