@@ -10,6 +10,7 @@ tfds data dir with tfds's own builder (so tfds writes, versions and names the fi
 import argparse
 import contextlib
 import fcntl
+import functools
 import gzip
 import math
 import os
@@ -343,11 +344,14 @@ def index_batches(num_examples, *, buffer_size, seed, global_batch, first_epoch,
     epoch's last batch holds what is left of it, so it may be short, and no batch spans two epochs.
     """
     def one_epoch(epoch):
-        first = tf.cast(epoch == first_epoch, tf.int64) * first_image
+        first = first_image if epoch == first_epoch else 0
         order = epoch_order(num_examples, buffer_size=buffer_size, seed=seed, epoch=epoch)
         return order.take(epoch_images).skip(first).batch(global_batch)
 
-    return tf.data.Dataset.range(first_epoch, epochs).flat_map(one_epoch)
+    # One dataset per epoch, chained in Python: each shuffle's seed is then a number, not a tensor, which
+    # TensorFlow's seeding cannot compare with 0 when the global seed is 0 (`--seed 0` failed to trace).
+    nothing = tf.data.Dataset.range(0).batch(global_batch)
+    return functools.reduce(tf.data.Dataset.concatenate, map(one_epoch, range(first_epoch, epochs)), nothing)
 
 
 def train_dataset(images, labels, *, buffer_size, global_batch, seed, first_epoch, first_image, epoch_images, epochs,

@@ -63,6 +63,23 @@ def test_gathered_batches_equal_the_per_example_shuffle(loaded, first_epoch, fir
     assert not np.array_equal(got[0][1], got[steps - first_step][1])
 
 
+def test_seed_zero_gives_the_per_example_shuffle_of_seed_zero(loaded):
+    """`--seed 0` sets TensorFlow's global seed to 0, with which a shuffle seeded by a tensor failed to trace."""
+    datasets, _, arrays = loaded
+    steps = data.steps_per_epoch(NUM_TRAIN, BATCH)
+    tf.random.set_seed(0)
+    try:
+        got = list(tfds.as_numpy(data.index_batches(NUM_TRAIN, buffer_size=BUFFER, seed=0, global_batch=BATCH,
+                                                    first_epoch=0, first_image=0, epoch_images=NUM_TRAIN, epochs=2)))
+        expected = [batch for epoch in range(2) for batch in tfds.as_numpy(
+            tf.data.Dataset.range(NUM_TRAIN).shuffle(BUFFER, seed=epoch, reshuffle_each_iteration=False).batch(BATCH))]
+    finally:
+        tf.random.set_seed(None)
+    assert len(got) == len(expected) == 2 * steps
+    for got_batch, batch in zip(got, expected):
+        np.testing.assert_array_equal(got_batch, batch)
+
+
 def test_one_replica_gets_the_same_batches_without_the_multi_device_iterator(loaded):
     _, _, arrays = loaded
     steps = data.steps_per_epoch(NUM_TRAIN, BATCH)
