@@ -44,6 +44,8 @@ def report_worker_means(model):
     a 26 ms step (docs/performance.md). Horovod's Keras examples show per-step metrics the same way, each
     worker its own, and average them at the epoch's end.
 
+    On a worker with several replicas (GPUs) the step's figures are its first replica's, as "first" reduces them.
+
     Set on the instance rather than by subclassing, so the exported SavedModel and Keras file stay a plain
     Sequential; both metrics are Keras means (a total over a count).
     """
