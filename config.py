@@ -48,8 +48,9 @@ SLURM_PORT_SLOTS = 1400
 # MirroredStrategy's all-reduce (tf.distribute.NcclAllReduce, HierarchicalCopyAllReduce, ReductionToOneDevice).
 CROSS_DEVICE_OPS = ("nccl", "hierarchical-copy", "reduce-to-one")
 # MultiWorkerMirroredStrategy's collectives (tf.distribute.experimental.CommunicationImplementation).
-STEP_METRICS = ("worker", "all")
 COMMUNICATIONS = ("auto", "ring", "nccl")
+# What each step's loss and accuracy are under multiworker: the worker's own, or all workers' (model.report_worker_means).
+STEP_METRICS = ("worker", "all")
 
 
 def _option(default, help_text, group, **extra):

@@ -256,7 +256,7 @@ def untune_device_pipelines():
     two-worker `fit` return 17 s after its last epoch (300-step epochs, 2026-12-03; the wait grows with the run,
     up to the tuner's 60 s period), and every evaluation's end wait too. Each pipeline only prefetches one batch
     into a fixed buffer, so there is nothing to tune. TensorFlow's private `_create_device_dataset` is wrapped;
-    should a later TensorFlow drop it, runs go on with the wait (tests/test_worker_input.py notices)."""
+    should a later TensorFlow drop it, runs go on with the wait (tests/test_input_pipeline.py notices)."""
     from tensorflow.python.data.ops import multi_device_iterator_ops
 
     create = getattr(multi_device_iterator_ops, "_create_device_dataset", None)
