@@ -39,6 +39,7 @@ PREPARE_HINT = "python data.py prepare --idx-dir DIR_WITH_IDX_FILES"
 PREPARE_LOCK = ".mnist-prepare.lock"  # in the data dir; tfds ignores it
 READ_BATCH = 1024  # records parsed per vectorised tf.io.parse_example call
 WHOLE = (0, 1)  # an input pipeline's share of each global batch: the first of one, all of it
+PADDING = -1  # the index of a padding example in a batch of indices: image 0, at weight 0 (`padded`)
 
 
 # ---------------------------------------------------------------- IDX files -> prepared tfds dir
@@ -315,18 +316,46 @@ def distribute(strategy, make_dataset):
 def pipeline_share(batch, index, count):
     """Input pipeline `index` of `count`'s part of a global batch of example indices: a contiguous slice, sizes
     differing by at most one, the first pipelines taking the extra examples of a short batch. That is how
-    TensorFlow's own rebatching splits a global batch between workers (a last batch of 3 gives 2 and 1, of 1
-    gives 1 and none), and each replica's loss is the mean over its own examples, so the split decides how much
-    each example of a partial batch weighs in the gradient: the same split keeps the same gradients."""
+    TensorFlow's own rebatching splits a global batch between workers (a last batch of 3 gives 2 and 1; one of 1
+    would give 1 and none, but `padded` makes it 1 and a padding example), and each replica's loss is the mean
+    over its own examples, so the split decides how much each example of a partial batch weighs in the gradient:
+    the same split keeps the same gradients."""
     size = tf.shape(batch, out_type=tf.int64)[0]
     base, extra = size // count, size % count
     start = index * base + tf.minimum(tf.constant(index, tf.int64), extra)
     return batch[start:start + base + tf.cast(index < extra, tf.int64)]
 
 
+def _gather(images, labels, batch):
+    """The scaled images and the labels at a batch of indices of the resident tensors."""
+    return scale(tf.gather(images, batch), tf.gather(labels, batch))
+
+
 def _batches(images, labels, indices):
-    """Batches of scaled images and their labels, gathered from the resident tensors by index batches."""
-    return indices.map(lambda batch: scale(tf.gather(images, batch), tf.gather(labels, batch)))
+    return indices.map(lambda batch: _gather(images, labels, batch))
+
+
+def padded(batch, replicas):
+    """A global batch of indices with PADDING appended up to `replicas` indices, so that no replica's share is
+    empty: TensorFlow 2.21's oneDNN MaxPoolGrad kernel aborts the process on an empty batch inside a graph, on
+    some CPUs (docs/faults.md, "An empty replica batch"; docs/upstream/empty_batch_maxpoolgrad.py reproduces it).
+
+    A batch is split between replicas in contiguous slices differing by at most one (`pipeline_share`), so only a
+    batch of fewer examples than replicas is padded, and each of its real examples stays alone on its replica, as
+    before. A padding example weighs 0 in its replica's loss (a mean over its one example), so its gradient is
+    exactly zero, as an empty replica's was: every step's update is that of its real examples."""
+    missing = tf.maximum(tf.cast(replicas, tf.int64) - tf.shape(batch, out_type=tf.int64)[0], 0)
+    return tf.concat([batch, tf.fill([missing], tf.constant(PADDING, tf.int64))], 0)
+
+
+def _weighted_batches(images, labels, indices):
+    """`_batches` of index batches that may hold PADDING, each with its examples' weights: 1, or 0 for padding,
+    which Keras's `fit` reads as sample weights."""
+    def gather(batch):
+        real = batch != PADDING
+        return (*_gather(images, labels, tf.where(real, batch, 0)), tf.cast(real, tf.float32))
+
+    return indices.map(gather)
 
 
 def epoch_order(num_examples, *, buffer_size, seed, epoch):
@@ -355,9 +384,11 @@ def index_batches(num_examples, *, buffer_size, seed, global_batch, first_epoch,
 
 
 def train_dataset(images, labels, *, buffer_size, global_batch, seed, first_epoch, first_image, epoch_images, epochs,
-                  share=WHOLE):
+                  replicas=1, share=WHOLE):
     """All batches from image `first_image` of epoch `first_epoch` on, gathered from the resident training split;
-    with `share` (index, count), only that input pipeline's part of each (`pipeline_share`).
+    with `share` (index, count), only that input pipeline's part of each (`pipeline_share`). Across several
+    `replicas` (all workers' together) a batch smaller than their count is `padded`, and every batch carries
+    its examples' weights.
 
     The tutorial's `map(scale).cache().shuffle(buffer).batch(batch)` shuffles examples through a buffer of
     `buffer_size`; here the same seeded shuffle runs over example indices (`index_batches`), which gives the
@@ -368,10 +399,13 @@ def train_dataset(images, labels, *, buffer_size, global_batch, seed, first_epoc
     indices = index_batches(int(images.shape[0]), buffer_size=buffer_size, seed=seed, global_batch=global_batch,
                             first_epoch=first_epoch, first_image=first_image, epoch_images=epoch_images,
                             epochs=epochs)
+    if replicas > 1:
+        indices = indices.map(lambda batch: padded(batch, replicas))
     if share != WHOLE:
         indices = indices.map(lambda batch: pipeline_share(batch, *share))
+    batches = _weighted_batches if replicas > 1 else _batches
     # Repeated so that the stream never ends under `fit`, which stops after its epochs by itself.
-    return for_distribution(_batches(images, labels, indices.repeat()))
+    return for_distribution(batches(images, labels, indices.repeat()))
 
 
 def eval_dataset(images, labels, *, global_batch):

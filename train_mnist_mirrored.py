@@ -149,7 +149,7 @@ def run(cfg, preemption):
     train = data.distribute(strategy, functools.partial(
         data.train_dataset, train_images, train_labels, buffer_size=cfg.buffer_size, global_batch=global_batch,
         seed=cfg.seed, first_epoch=plan.epoch, first_image=plan.image, epoch_images=plan.epoch_images,
-        epochs=cfg.epochs))
+        epochs=cfg.epochs, replicas=strategy.num_replicas_in_sync))
     test = data.eval_dataset(*test_split, global_batch=global_batch)
 
     # Step 3: the model, compiled inside the strategy's scope.

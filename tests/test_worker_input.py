@@ -25,21 +25,22 @@ WORKER_SCRIPT = textwrap.dedent("""
     PER_REPLICA = 4
     global_batch = PER_REPLICA * strategy.num_replicas_in_sync
     out = {}
-    # 19 examples end each epoch with a batch of 3 (shares of 2 and 1), 17 with a batch of 1 (1 and none).
+    # 19 examples end each epoch with a batch of 3 (shares of 2 and 1), 17 with a batch of 1 (1 and a padding
+    # example: an empty share aborts TensorFlow's oneDNN MaxPoolGrad on some CPUs).
     for num_examples in (19, 17):
         images = tf.constant(rng.integers(0, 256, (num_examples, 28, 28, 1), dtype=np.uint8))
         labels = tf.constant(rng.integers(0, 10, num_examples), tf.int64)
         steps = data.steps_per_epoch(num_examples, global_batch)
         make_dataset = functools.partial(data.train_dataset, images, labels, buffer_size=8, global_batch=global_batch,
                                          seed=3, first_epoch=0, first_image=0, epoch_images=num_examples,
-                                         epochs=2)
+                                         epochs=2, replicas=strategy.num_replicas_in_sync)
         paths = {"project": data.distribute(strategy, make_dataset),
                  "keras": strategy.experimental_distribute_dataset(make_dataset(share=data.WHOLE))}
 
-        def labels_seen(distributed):
+        def labels_seen(distributed):  # each step's labels on this worker, and their weights
             iterator = iter(distributed)
-            return [strategy.experimental_local_results(next(iterator)[1])[0].numpy().tolist()
-                    for _ in range(2 * steps)]
+            local = lambda values: strategy.experimental_local_results(values)[0].numpy().tolist()
+            return [[local(part) for part in next(iterator)[1:]] for _ in range(2 * steps)]
 
         with strategy.scope():
             initial = build_model().get_weights()
@@ -77,7 +78,8 @@ WORKER_SCRIPT = textwrap.dedent("""
     history = local.fit(data.distribute(strategy, make_dataset), epochs=1, steps_per_epoch=steps, verbose=0,
                         callbacks=[logs_seen])
     out["worker_step_logs"], out["worker_epoch_logs"] = seen[-1], {k: v[-1] for k, v in history.history.items()}
-    out["worker_examples"] = sum(len(labels) for labels in out[f"labels_project_{num_examples}"][:steps])
+    out["worker_examples"] = sum(sum(weights) for _, weights in out[f"labels_project_{num_examples}"][:steps])
+    out["worker_batch_dims"] = sum(len(labels) for labels, _ in out[f"labels_project_{num_examples}"][:steps])
     json.dump(out, open(sys.argv[1], "w"))
 """)
 
@@ -108,11 +110,15 @@ def test_two_workers_get_keras_shares_and_gradients(tmp_path):
     for num_examples, last_shares in ((19, [2, 1]), (17, [1, 0])):
         steps = -(-num_examples // 8)
         for w in workers:
-            # Step by step, the same examples as Keras's rebatching gives this worker, over two epochs.
+            # Step by step, the same examples and weights as Keras's rebatching gives this worker, over two epochs.
             assert w[f"labels_project_{num_examples}"] == w[f"labels_keras_{num_examples}"]
-        # The workers' shares make up each global batch: 4 and 4, then the short last batch split first-heavy.
-        sizes = [[len(w[f"labels_project_{num_examples}"][step]) for w in workers] for step in range(steps)]
-        assert sizes == [[4, 4]] * (steps - 1) + [last_shares]
+        # The workers' shares make up each global batch: 4 and 4, then the short last batch split first-heavy;
+        # no share is ever empty: one that would be holds one padding example, of weight 0.
+        for step in range(2 * steps):
+            real = [sum(w[f"labels_project_{num_examples}"][step][1]) for w in workers]
+            sizes = [len(w[f"labels_project_{num_examples}"][step][1]) for w in workers]
+            assert real == ([4, 4] if step % steps < steps - 1 else last_shares)
+            assert sizes == [max(n, 1) for n in real]
         # The same gradients, so the same weights after two epochs of SGD (partial batches included), on both.
         moved = _max_abs_diff(workers[0][f"initial_{num_examples}"], workers[0][f"weights_keras_{num_examples}"])
         assert moved > 1e-3, "training must move the weights for the comparison to mean anything"
@@ -126,12 +132,14 @@ def test_two_workers_get_keras_shares_and_gradients(tmp_path):
     # With each worker's own step figures (the run's default under multiworker): the epoch's figures are the
     # same on both workers, and they are the mean of the workers' figures weighted by how many examples each
     # trained on (9 and 8 of 17), so the step figures were each worker's own running means; evaluation's
-    # result is all workers', as with Keras's own per-step all-reduce.
-    examples = [w["worker_examples"] for w in workers]
-    assert examples == [9, 8]
+    # result is all workers', as with Keras's own per-step all-reduce. Keras weighs the loss by the examples a
+    # batch holds, the padding example (of loss 0) included, and the accuracy by their weights.
+    counts = {"accuracy": [w["worker_examples"] for w in workers], "loss": [w["worker_batch_dims"] for w in workers]}
+    assert counts == {"accuracy": [9, 8], "loss": [9, 9]}
     assert workers[0]["worker_step_logs"] != workers[1]["worker_step_logs"]
     for name, value in workers[0]["worker_epoch_logs"].items():
         assert abs(workers[1]["worker_epoch_logs"][name] - value) < 1e-6
+        examples = counts[name]
         weighted = sum(w["worker_step_logs"][name] * n for w, n in zip(workers, examples)) / sum(examples)
         assert abs(weighted - value) < 1e-5 * max(1.0, abs(value)), (name, weighted, value)
     for w in workers:
