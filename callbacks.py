@@ -142,7 +142,7 @@ class Backup(keras.callbacks.BackupAndRestore):
         self._training_state._ckpt_saved_epoch.assign(self._plan.epoch)
         self._training_state._ckpt_saved_batch.assign(self._plan.first_step - 1)
         self._preempted_anywhere = _any_worker(self.model.distribute_strategy)
-        self._preemption.training = True
+        self._preemption.start_training()
 
     def on_epoch_begin(self, epoch, logs=None):
         super().on_epoch_begin(epoch, logs)
@@ -170,8 +170,8 @@ class Backup(keras.callbacks.BackupAndRestore):
             self._stop(position)
 
     def on_train_end(self, logs=None):
-        self._preemption.training = False
         super().on_train_end(logs)
+        self._preemption.end_training()  # raises Preempted for a SIGTERM after the last epoch's backup
 
     def _save(self, epoch, last_step):
         position = self._plan.position(epoch, last_step, int(self.model.optimizer.iterations.numpy()))
@@ -181,7 +181,7 @@ class Backup(keras.callbacks.BackupAndRestore):
         return position
 
     def _stop(self, position):
-        self._preemption.training = False
+        # Training stays marked as on, so that a second SIGTERM only notes itself while the run leaves.
         raise Preempted(f"pre-empted (SIGTERM); training state saved at epoch {position.epoch + 1}, image "
                         f"{position.image:,} of {self._plan.epoch_images:,}; run the same command again to resume "
                         "there (on any number of replicas or workers)")

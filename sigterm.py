@@ -10,50 +10,86 @@ main thread before TensorFlow starts any thread (they inherit the mask), and one
 `signal.sigwait` as soon as the GIL is free (docs/faults.md, "Pre-emption (SIGTERM)").
 """
 
-import _thread
+import atexit
 import contextlib
 import os
 import signal
+import sys
 import threading
 
 from config import EXIT_PREEMPTED, Preempted
 
 OUTSIDE_TRAINING = ("pre-empted (SIGTERM) outside training; run the same command again to resume after the last "
                     "backed-up step")
-# How long the main thread gets to act on SIGTERM itself (raise Preempted at its next Python line, and leave
-# through the entrypoint's usual exit) before the process ends anyway: it may be waiting inside C++ code that
-# releases the GIL but does not return soon.
-GRACE_SECONDS = 2
+# How long the process's exit handlers (autograph's removal of its generated files under TMPDIR) and the flush of
+# its output get before the process ends anyway: the main thread may hold what they wait for.
+TIDY_SECONDS = 2
 
 
 class Preemption:
     """SIGTERM while training is noted (`requested`) and acted on at the next step boundary by callbacks.Backup,
-    which sets `training`; at any other moment it ends the run at once with 143, since the backup already holds
-    all the training done."""
+    which sets `training`; at any other moment the run ends at once with 143, since the backup already holds all
+    the training done and every output is written whole or not at all (docs/faults.md, "Safe outputs").
+
+    Outside training the process ends from SIGTERM's own thread: nothing is raised into the main thread, which may
+    be anywhere (an import, TensorFlow's tracing, a C++ call), where an exception gave tracebacks, exit 1 or a
+    hang."""
 
     def __init__(self):
         self.training = False
         self.requested = False
-        self._taken = threading.Event()
+        self._lock = threading.Lock()  # the states below change together
+        self._ending = False  # SIGTERM's thread is ending the process
+        self._finishing = False  # the run is writing its results
         self._closing = False
         self._stderr = None  # fd 2 as it was at the start: the terminal's, even while TensorFlow's output is held
+
+    def start_training(self):
+        with self._lock:
+            self.training = True
+
+    def end_training(self):
+        """Training is over: a SIGTERM noted since the last step boundary ends the run now, in the main thread."""
+        with self._lock:
+            self.training, requested = False, self.requested
+        if requested:
+            raise Preempted(OUTSIDE_TRAINING)
+
+    def finishing(self):
+        """The run writes its results now and ends in moments: a later SIGTERM is ignored, for a restart would
+        find a finished run and refuse it. After one that came first, the main thread waits here for the end."""
+        with self._lock:
+            self._finishing, ending = True, self._ending
+        if ending:
+            threading.Event().wait()
 
     def _wait(self):
         while True:
             signal.sigwait({signal.SIGTERM})
             if self._closing:
                 return
-            if self.training:
-                self.requested = True
-                continue
-            _thread.interrupt_main(signal.SIGTERM)  # runs _in_main in the main thread, at its next Python line
-            if not self._taken.wait(GRACE_SECONDS):
-                os.write(self._stderr, f"error: {OUTSIDE_TRAINING}\n".encode())
-                os._exit(EXIT_PREEMPTED)
+            with self._lock:
+                if self._finishing:
+                    continue
+                if self.training:
+                    self.requested = True
+                    continue
+                self._ending = True
+            self._end()
 
-    def _in_main(self, signum, frame):
-        self._taken.set()
-        raise Preempted(OUTSIDE_TRAINING)
+    def _end(self):
+        os.write(self._stderr, f"error: {OUTSIDE_TRAINING}\n".encode())
+        tidy = threading.Thread(target=_tidy, name="sigterm-tidy", daemon=True)
+        tidy.start()
+        tidy.join(TIDY_SECONDS)
+        os._exit(EXIT_PREEMPTED)
+
+
+def _tidy():
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
 
 
 @contextlib.contextmanager
@@ -61,7 +97,6 @@ def watched():
     """Yields the run's Preemption, with SIGTERM taken by its thread until the block ends."""
     preemption = Preemption()
     preemption._stderr = os.dup(2)
-    handler = signal.signal(signal.SIGTERM, preemption._in_main)
     mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
     waiter = threading.Thread(target=preemption._wait, name="sigterm", daemon=True)
     waiter.start()
@@ -71,6 +106,8 @@ def watched():
         preemption._closing = True
         signal.pthread_kill(waiter.ident, signal.SIGTERM)
         waiter.join()
+        # The run has ended by now: a SIGTERM that came as it ended changes nothing, and must not kill it unblocked.
+        while signal.SIGTERM in signal.sigpending():
+            signal.sigwait({signal.SIGTERM})
         signal.pthread_sigmask(signal.SIG_SETMASK, mask)
-        signal.signal(signal.SIGTERM, handler)
         os.close(preemption._stderr)

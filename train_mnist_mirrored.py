@@ -189,6 +189,7 @@ def run(cfg, preemption):
         cfg, strategy, parameters=model.count_params(), global_batch=global_batch, plan=plan, train_images=trained,
         train_seconds=train_seconds, train_cpu_seconds=train_cpu_seconds,
         accuracies=(accuracy_checkpoint, accuracy_unreplicated, accuracy_replicated))
+    preemption.finishing()
     outputs.finish(cfg, figures, is_chief=is_chief, work_dir=work_dir)
     print(json.dumps(figures, indent=2))
     print()

@@ -145,18 +145,48 @@ def test_sigterm_while_training_is_noted_for_the_next_step_boundary():
     assert proc.returncode == 0 and proc.stdout == "noted\n", proc.stderr
 
 
-def test_sigterm_outside_training_raises_preempted_in_the_main_thread():
-    proc = run_watched(False, "time.sleep(0.5)\n    time.sleep(0.5)")  # the interrupt lands between the two
-    assert proc.returncode == 1 and proc.stderr.strip().endswith(f"config.Preempted: {sigterm.OUTSIDE_TRAINING}")
+def test_a_sigterm_noted_during_training_ends_the_run_as_training_ends():
+    """One that came after the last step boundary's check: acted on in the main thread, where training ends."""
+    proc = run_watched(True, "while not preemption.requested: time.sleep(0.05)\n"
+                             "    try:\n        preemption.end_training()\n"
+                             "    except config.Preempted as err:\n        print('raised:', err)")
+    assert proc.returncode == 0 and proc.stdout == f"raised: {sigterm.OUTSIDE_TRAINING}\n", proc.stderr
 
 
-def test_sigterm_ends_the_process_when_the_main_thread_is_stuck_in_c():
+# The main thread busy in Python, asleep in one C call that does not return, and an exit handler that hangs.
+@pytest.mark.parametrize("then", ["while True: sum(range(1000))", "time.sleep(60)",
+                                  "atexit.register(time.sleep, 60)\n    time.sleep(60)"],
+                         ids=["python", "c-call", "hung-exit-handler"])
+def test_sigterm_outside_training_ends_the_process_from_its_own_thread(then):
+    """Nothing is raised into the main thread, wherever it is: the process prints its one line, runs its exit
+    handlers (autograph's removes its files under TMPDIR) for up to TIDY_SECONDS, and ends with 143."""
     started = time.monotonic()
-    proc = run_watched(False, "time.sleep(60)")  # one C call that does not return: the interrupt cannot land
+    code = "import atexit\natexit.register(print, 'exit handlers ran')\n" + WATCHED.format(training=False, then=then)
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=subprocess_env(), capture_output=True,
+                          text=True, timeout=EXIT_SECONDS)
     seconds = time.monotonic() - started
     assert proc.returncode == config.EXIT_PREEMPTED
     assert proc.stderr == f"error: {sigterm.OUTSIDE_TRAINING}\n"
     assert seconds < 30
+    if "atexit" not in then:
+        assert proc.stdout == "exit handlers ran\n"
+
+
+def test_sigterm_while_the_results_are_written_is_ignored():
+    """Once the run writes results.json it ends in moments; a 143 then would have a restart find a finished run.
+    A SIGTERM that came first wins: the main thread, reaching the results, waits there for the process's end."""
+    def watched_run(before, after):
+        code = ("import atexit, time\natexit.register(time.sleep, 1)\n"  # the exit handlers take a second
+                + WATCHED.format(training=False, then=after).replace("    os.kill", f"    {before}\n    os.kill")
+                + "print('finished')\n")
+        return subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=subprocess_env(), capture_output=True,
+                              text=True, timeout=EXIT_SECONDS)
+
+    finished = watched_run("preemption.finishing()", "time.sleep(0.3)")
+    assert finished.returncode == 0 and finished.stdout == "finished\n" and finished.stderr == "", finished.stderr
+    ended = watched_run("pass", "time.sleep(0.3)\n    preemption.finishing()")
+    assert ended.returncode == config.EXIT_PREEMPTED and ended.stdout == "", ended.stdout
+    assert ended.stderr == f"error: {sigterm.OUTSIDE_TRAINING}\n"
 
 
 def test_slurm_port_base_comes_from_the_job_id():
