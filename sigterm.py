@@ -94,10 +94,10 @@ def _tidy():
 
 @contextlib.contextmanager
 def watched():
-    """Yields the run's Preemption, with SIGTERM taken by its thread until the block ends."""
+    """Yields the run's Preemption, with SIGTERM taken by its thread until the block ends, and ignored after."""
     preemption = Preemption()
     preemption._stderr = os.dup(2)
-    mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
     waiter = threading.Thread(target=preemption._wait, name="sigterm", daemon=True)
     waiter.start()
     try:
@@ -106,8 +106,7 @@ def watched():
         preemption._closing = True
         signal.pthread_kill(waiter.ident, signal.SIGTERM)
         waiter.join()
-        # The run has ended by now: a SIGTERM that came as it ended changes nothing, and must not kill it unblocked.
-        while signal.SIGTERM in signal.sigpending():
-            signal.sigwait({signal.SIGTERM})
-        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
         os.close(preemption._stderr)
+        # SIGTERM stays blocked: the run's exit status is decided by now, and a SIGTERM in its last moments (or
+        # in the interpreter's exit) must not turn a finished run into one killed by the signal, which the
+        # scheduler would restart only to find it finished.
