@@ -144,10 +144,11 @@ def no_space(cfg, err):
     unwritten = unwritten_file(err)
     if unwritten is None:
         return None
-    target = unwritten or (cfg.output_dir if cfg else ".")
-    mount = mount_point(target)
+    # Python's zip and h5 writers name no file; the run was writing in --output-dir then.
+    folder = os.path.dirname(unwritten) if unwritten else (cfg.output_dir if cfg else os.getcwd())
+    mount = mount_point(folder)
     usage = shutil.disk_usage(mount)
     return (f"no space left on the file system at {mount} ({usage.free / 2**20:.1f} MB free of "
-            f"{usage.total / 2**20:.1f} MB) writing in {os.path.dirname(target) or target}; free some space there, or "
+            f"{usage.total / 2**20:.1f} MB) writing in {folder}; free some space there, or "
             f"choose an --output-dir with more room (sizes in docs/faults.md, \"A full disk\"), then run the same "
             f"command again: it resumes from the last backup")
