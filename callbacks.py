@@ -123,7 +123,9 @@ class Backup(keras.callbacks.BackupAndRestore):
     images and what that means (resume.py), in the same checkpoint.
 
     Keras records the step an execution of `steps_per_execution` steps starts at, and resumes one step after
-    it, which repeats the execution's other steps; this records the last step it finished instead.
+    it, which repeats the execution's other steps; this records the last step it finished instead. Keras keeps
+    one checkpoint and restores it whatever its state; this keeps two and restores the one resume.start found
+    whole (docs/faults.md, "A damaged backup").
     """
 
     def __init__(self, backup_dir, *, plan, every_steps=None, preemption=None):
