@@ -13,6 +13,8 @@ from sigterm import Preemption
 
 # The global batch the tutorial's learning rates were chosen for: one replica of 64.
 TUTORIAL_GLOBAL_BATCH = 64
+# Where Keras's BackupAndRestore keeps its checkpoint manager and counters; Backup makes its own (on_train_begin).
+WorkerTrainingState = keras.src.distribute.worker_training_state.WorkerTrainingState
 
 
 def decay(epoch, boundaries, values):
@@ -121,7 +123,9 @@ class Backup(keras.callbacks.BackupAndRestore):
     images and what that means (resume.py), in the same checkpoint.
 
     Keras records the step an execution of `steps_per_execution` steps starts at, and resumes one step after
-    it, which repeats the execution's other steps; this records the last step it finished instead.
+    it, which repeats the execution's other steps; this records the last step it finished instead. Keras keeps
+    one checkpoint and restores it whatever its state; this keeps two and restores the one resume.start found
+    whole (docs/faults.md, "A damaged backup").
     """
 
     def __init__(self, backup_dir, *, plan, every_steps=None, preemption=None):
@@ -134,7 +138,22 @@ class Backup(keras.callbacks.BackupAndRestore):
         self._record = tf.Variable("", trainable=False, name=resume.RECORD)
 
     def on_train_begin(self, logs=None):
-        super().on_train_begin(logs)  # restores the model, the optimizer and Keras's counters
+        # Keras's own on_train_begin, but for two things: its training state keeps BACKUPS_KEPT checkpoints, not
+        # one, and it restores the one resume.start chose and read the position from (plan.checkpoint, the newest
+        # that reads back whole), where Keras would restore the newest whatever its state. Every worker restores
+        # from the chief's folder, as Keras's own does.
+        optimizer = self.model.optimizer
+        if callable(getattr(optimizer, "build", None)) and not getattr(optimizer, "_built", False):
+            optimizer.build(self.model.trainable_variables)  # as Keras does, so that the restore fills its slots
+        state = WorkerTrainingState(self.model, self.backup_dir, self.save_freq)
+        self.model._training_state = self._training_state = state
+        if state.write_checkpoint_manager is state.read_checkpoint_manager:  # the chief, which writes where all read
+            state.write_checkpoint_manager = state.read_checkpoint_manager = tf.train.CheckpointManager(
+                state.read_checkpoint_manager.checkpoint, state.read_checkpoint_manager.directory,
+                max_to_keep=resume.BACKUPS_KEPT)
+        if self._plan.checkpoint:
+            # The model, the optimizer and Keras's counters.
+            state.read_checkpoint_manager.checkpoint.restore(self._plan.checkpoint)
         # Written with every backup from now on, in the same checkpoint as the weights.
         setattr(self._training_state.write_checkpoint_manager.checkpoint, resume.RECORD, self._record)
         # Keras's counters, in this run's steps: `fit` resumes epoch `plan.epoch` after the step before

@@ -1,8 +1,11 @@
 """What a run leaves in --output-dir: a fresh start, a resumed one or a refusal, and at the end the figures of
-results.json, written atomically, after which the backup is removed (README, "Outputs")."""
+results.json, written atomically, after which the backup is removed (README, "Outputs"); and what a write that
+found the disk full says."""
 
+import errno
 import json
 import os
+import re
 import shutil
 import tempfile
 
@@ -105,3 +108,47 @@ def finish(cfg, figures, *, is_chief, work_dir):
         shutil.rmtree(cfg.path(cfg.backup_dir), ignore_errors=True)
     else:
         shutil.rmtree(work_dir, ignore_errors=True)
+
+
+# ---------------------------------------------------------------- a full disk
+
+# The C library's words for ENOSPC, which TensorFlow's file system puts in its errors' messages after the file's
+# name ("<file>; No space left on device"); Python's writes raise OSError with the errno instead.
+NO_SPACE = os.strerror(errno.ENOSPC)
+
+
+def unwritten_file(err):
+    """The file a write failed on for want of space, when `err` or an exception behind it is that failure ("" if
+    it names none); None for any other error."""
+    while err is not None:
+        if isinstance(err, OSError) and err.errno == errno.ENOSPC:
+            return os.fsdecode(err.filename or "")
+        found = re.search(rf"(\S*); {NO_SPACE}", str(err))
+        if found:
+            return found[1]
+        err = err.__cause__ or err.__context__
+    return None
+
+
+def mount_point(path):
+    path = os.path.abspath(path)
+    while not os.path.ismount(path):
+        path = os.path.dirname(path)
+    return path
+
+
+def no_space(cfg, err):
+    """One line for a run stopped by a full disk, naming the file system and how full it is; None for any other
+    error. Exit 2, as for bad input (README, "Exit codes"): a restart on the same disk would fail the same way, and
+    one once there is room resumes from the last backup, which the failed write left as it was."""
+    unwritten = unwritten_file(err)
+    if unwritten is None:
+        return None
+    # Python's zip and h5 writers name no file; the run was writing in --output-dir then.
+    folder = os.path.dirname(unwritten) if unwritten else (cfg.output_dir if cfg else os.getcwd())
+    mount = mount_point(folder)
+    usage = shutil.disk_usage(mount)
+    return (f"no space left on the file system at {mount} ({usage.free / 2**20:.1f} MB free of "
+            f"{usage.total / 2**20:.1f} MB) writing in {folder}; free some space there, or "
+            f"choose an --output-dir with more room (sizes in docs/faults.md, \"A full disk\"), then run the same "
+            f"command again: it resumes from the last backup")

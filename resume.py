@@ -22,6 +22,7 @@ import dataclasses
 import json
 import math
 import os
+import sys
 import typing
 
 import tensorflow as tf
@@ -33,6 +34,9 @@ from config import UsageError
 RECORD = "resume_position"
 RECORD_KEY = f"{RECORD}/.ATTRIBUTES/VARIABLE_VALUE"
 CHIEF_BACKUP = "chief"
+# Checkpoints the backup keeps (Keras keeps one): should the newest be damaged, say truncated when the storage
+# under it failed, a restart goes on from the one before it (newest_intact). Each is 4 MB for this model.
+BACKUPS_KEPT = 2
 START_OVER = "or add --overwrite to start over"
 
 
@@ -88,16 +92,52 @@ class Position:
                    settings=settings)
 
 
-def read(backup_dir):
-    """The position the backup in `backup_dir` holds; None when there is no backup."""
-    latest = tf.train.latest_checkpoint(os.path.join(backup_dir, CHIEF_BACKUP))
-    if latest is None:
-        return None
-    reader = tf.train.load_checkpoint(latest)
+def damage(path):
+    """What is wrong with the checkpoint at `path`, or None when every tensor in it reads back whole.
+
+    TensorFlow's reader checks each tensor's length and checksum (CRC32C) as it reads it, so reading them all is
+    the check, a few MB here: a truncated file reads short (IndexError), a changed byte fails its checksum, a
+    missing file is not found, a damaged index is not an sstable.
+    """
+    try:
+        reader = tf.train.load_checkpoint(path)
+        for name in reader.get_variable_to_shape_map():
+            reader.get_tensor(name)
+    except (tf.errors.OpError, IndexError, ValueError) as err:
+        return f"{os.path.basename(path)}: {str(err).splitlines()[0]}"
+    return None
+
+
+def newest_intact(backup_dir):
+    """The newest checkpoint of the backup in `backup_dir` that reads back whole (None without a backup), and what
+    is wrong with each newer one; UsageError, with nothing touched, when there is a backup and none of it is whole."""
+    state = tf.train.get_checkpoint_state(os.path.join(backup_dir, CHIEF_BACKUP))
+    if state is None:
+        return None, []
+    damaged = []
+    for path in reversed(state.all_model_checkpoint_paths or [state.model_checkpoint_path]):
+        problem = damage(path)
+        if problem is None:
+            return path, damaged
+        damaged.append(problem)
+    raise UsageError(f"the backup in {backup_dir} is damaged, none of its checkpoints reads back whole "
+                     f"({'; '.join(damaged)}); it is left as it was: put back an intact copy to resume, "
+                     f"{START_OVER}")
+
+
+def position_in(checkpoint, backup_dir):
+    """The position the backup's checkpoint `checkpoint` records."""
+    reader = tf.train.load_checkpoint(checkpoint)
     if not reader.has_tensor(RECORD_KEY):
         raise UsageError(f"the backup in {backup_dir} does not record what its position means (an earlier version "
                          f"of this script made it); finish it with that version, {START_OVER}")
     return Position.from_json(reader.get_tensor(RECORD_KEY).decode())
+
+
+def read(backup_dir):
+    """The position the newest intact checkpoint of the backup in `backup_dir` holds; None when there is no backup."""
+    checkpoint, _ = newest_intact(backup_dir)
+    return None if checkpoint is None else position_in(checkpoint, backup_dir)
 
 
 # ---------------------------------------------------------------- what a restart may change
@@ -164,13 +204,14 @@ class Plan:
     image: int = 0  # its images already trained
     optimizer_step: int = 0  # the optimizer's step count at the backup
     backed_up_batch: typing.Optional[int] = None  # the global batch the backup was made at; None when fresh
+    checkpoint: typing.Optional[str] = None  # the backup's checkpoint that holds the position; None when fresh
 
     @classmethod
-    def resuming(cls, position, settings):
+    def resuming(cls, position, settings, checkpoint=None):
         if position is None:
             return cls(settings)
         return cls(settings, position.epoch, position.image, position.optimizer_step,
-                   position.settings.global_batch)
+                   position.settings.global_batch, checkpoint)
 
     @property
     def steps(self):
@@ -227,9 +268,16 @@ class Plan:
 
 
 def start(backup_dir, settings, *, epochs, overwrite):
-    """This run's Plan: from the backup in `backup_dir` if there is one it can continue (UsageError if there is
-    one it cannot), from the beginning with --overwrite or without a backup."""
-    position = None if overwrite else read(backup_dir)
-    if position is not None:
-        check(position, settings, epochs=epochs, backup_dir=backup_dir)
-    return Plan.resuming(position, settings)
+    """This run's Plan: from the newest intact checkpoint of the backup in `backup_dir` if there is one it can
+    continue (UsageError if there is one it cannot), from the beginning with --overwrite or without a backup.
+    callbacks.Backup restores that same checkpoint once the model exists."""
+    checkpoint, damaged = (None, []) if overwrite else newest_intact(backup_dir)
+    if checkpoint is None:
+        return Plan(settings)
+    position = position_in(checkpoint, backup_dir)
+    check(position, settings, epochs=epochs, backup_dir=backup_dir)
+    plan = Plan.resuming(position, settings, checkpoint)
+    if damaged:
+        print(f"warning: the latest backup in {backup_dir} is damaged ({'; '.join(damaged)}); resuming from the "
+              f"one before it at {plan.describe()}", file=sys.stderr)
+    return plan

@@ -214,6 +214,9 @@ def outcome(args, preemption):
     except KeyboardInterrupt:
         return EXIT_INTERRUPTED, "error: interrupted; run the same command again to resume after the last backup"
     except Exception as err:
+        full = outputs.no_space(cfg, err)
+        if full is not None:
+            return EXIT_BAD_INPUT, f"error: {full}"
         lost = cluster.lost_peer(cfg, err)
         if lost is None:
             raise
