@@ -1,0 +1,44 @@
+"""What a newcomer meets on a first run: a clean `git status` after a run in the repository's root, `--help`'s
+defaults, the printed learning rate, and the offline prepare's own lines (issue 24, item 5)."""
+
+import dataclasses
+import os
+import shutil
+import subprocess
+
+import pytest
+
+from config import Config
+from conftest import ROOT
+
+
+# ---------------------------------------------------------------- a run in the repository's root
+
+def written_beside(field, name):
+    """What export.py and outputs.write_json write beside an output while writing it, then move into place."""
+    stem, extension = os.path.splitext(name)
+    return {"saved_model_dir": [name + ".partial", name + ".old"], "results_file": [name + ".partial"],
+            "keras_model_file": [stem + ".partial" + extension]}.get(field, [])
+
+
+def test_gitignore_covers_every_output_of_a_run_in_the_root(tmp_path):
+    """Every output Config names (a `*_dir` or `*_file` that is no option), and what is written beside it, made
+    in a fresh repository holding only the project's .gitignore: git sees nothing but the .gitignore."""
+    git = shutil.which("git")
+    if git is None:
+        pytest.skip("git is not installed")
+    subprocess.run([git, "init", "-q", str(tmp_path)], check=True)
+    shutil.copy(f"{ROOT}/.gitignore", tmp_path / ".gitignore")
+    outputs = [f for f in dataclasses.fields(Config) if "help" not in f.metadata and f.name.endswith(("_dir", "_file"))]
+    assert {f.name for f in outputs} >= {"checkpoint_dir", "log_dir", "saved_model_dir", "backup_dir",
+                                         "keras_model_file", "results_file"}
+    for field in outputs:
+        for name in [field.default, *written_beside(field.name, field.default)]:
+            if field.name.endswith("_dir"):
+                (tmp_path / name).mkdir()
+                (tmp_path / name / "content").write_text("x")
+            else:
+                (tmp_path / name).write_text("x")
+    status = subprocess.run([git, "status", "--porcelain", "--untracked-files=all"], cwd=tmp_path,
+                            capture_output=True, text=True, check=True).stdout
+    assert status.splitlines() == ["?? .gitignore"]
