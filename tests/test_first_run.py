@@ -42,3 +42,23 @@ def test_gitignore_covers_every_output_of_a_run_in_the_root(tmp_path):
     status = subprocess.run([git, "status", "--porcelain", "--untracked-files=all"], cwd=tmp_path,
                             capture_output=True, text=True, check=True).stdout
     assert status.splitlines() == ["?? .gitignore"]
+
+
+# ---------------------------------------------------------------- --help
+
+def test_help_says_what_an_unset_option_means_never_default_none(capsys):
+    """argparse's "(default: None)" would contradict help texts that name the real default (--step-metrics:
+    worker; --communication: auto); an option that can be left unset says what that means instead."""
+    import re
+
+    import train_mnist_mirrored
+
+    with pytest.raises(SystemExit):
+        train_mnist_mirrored.main(["--help"])
+    shown = " ".join(capsys.readouterr().out.split())  # argparse wraps the help texts
+    assert "(default: None)" not in shown
+    assert "--epochs EPOCHS number of epochs to train (default: 12)" in shown  # other defaults still shown
+    unset = [f for f in dataclasses.fields(Config) if "help" in f.metadata and f.default is None]
+    assert {"step_metrics", "communication", "devices", "data_dir", "steps_per_epoch"} <= {f.name for f in unset}
+    for field in unset:
+        assert re.search(r"\bunset\b", field.metadata["help"]), field.name
