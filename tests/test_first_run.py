@@ -62,3 +62,37 @@ def test_help_says_what_an_unset_option_means_never_default_none(capsys):
     assert {"step_metrics", "communication", "devices", "data_dir", "steps_per_epoch"} <= {f.name for f in unset}
     for field in unset:
         assert re.search(r"\bunset\b", field.metadata["help"]), field.name
+
+
+# ---------------------------------------------------------------- the printed learning rate
+
+@pytest.mark.parametrize("rate, shown", [(None, "0.001"), (1e-4, "1e-04"), (2e-3 * 0.75, "0.0015")],
+                         ids=["adam-default", "decayed", "warm-up"])
+def test_learning_rate_prints_as_the_float32_it_is(rate, shown, capsys):
+    """The optimizer holds a float32; printed as a Python float it read 0.0010000000474974513."""
+    import callbacks
+    import model
+
+    net = model.compile_model(model.build_model(), learning_rate=rate)
+    printer = callbacks.PrintLR()
+    printer.set_model(net)
+    printer.on_epoch_end(0)
+    assert capsys.readouterr().out == f"\nLearning rate for epoch 1 is {shown}\n"
+
+
+# ---------------------------------------------------------------- the offline prepare
+
+def test_offline_prepare_says_what_it_does_and_nothing_else(tmp_path, idx_dir, capfd, caplog):
+    """The first offline run (`--idx-dir DIR --data-dir NEW`) printed tfds's warning that the dataset folder it
+    had not made yet "has no dataset_info.json", twice, and "Downloading and preparing dataset Unknown size"."""
+    import data
+    from conftest import NUM_TRAIN
+
+    target = tmp_path / "tfds"
+    info = data.load(str(target), idx_dir)
+    out, err = capfd.readouterr()
+    assert info.splits["train"].num_examples == NUM_TRAIN
+    assert "dataset_info.json" not in out + err + caplog.text  # absl's warnings reach pytest as log records
+    assert "Downloading" not in out + err and "downloaded" not in out + err
+    assert f"preparing mnist in {target} from the IDX files in {idx_dir}\n" in out
+    assert f"prepared mnist in {target / 'mnist' / '3.0.1'}\n" in out
