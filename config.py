@@ -81,6 +81,9 @@ class Config:
                                         "without it, from Slurm's srun variables", CLUSTER, choices=STRATEGIES)
     cpu_replicas: int = _option(0, "split the host CPU into N logical devices and mirror across them (0: off)", CLUSTER)
     devices: typing.Optional[str] = _option(None, "comma-separated devices to mirror across, e.g. /gpu:0,/gpu:1; unset means all GPUs", CLUSTER)
+    allow_cpu: bool = _option(False, "train on the CPU even where NVIDIA GPUs are present that TensorFlow cannot use; "
+                                     "without it such a run stops at once (exit 2) and says how to install "
+                                     "TensorFlow's CUDA libraries (docs/multi-gpu.md, \"A GPU box\")", CLUSTER)
     # Schedulers: TF_CONFIG (Kubeflow's TFJob writes it) wins; without it, srun's variables describe the cluster.
     slurm_port_base: typing.Optional[int] = _option(
         None, "under srun without TF_CONFIG: the port of each node's first worker; the node's next workers take the "
