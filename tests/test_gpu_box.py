@@ -98,3 +98,18 @@ def test_the_driver_s_list_counts_only_where_its_devices_are_reachable(tmp_path)
     control.write_text("")
     assert gpu_box.listed_by_driver(str(gpus), str(control)) == 2
     assert gpu_box.listed_by_driver(str(tmp_path / "none"), str(control)) == 0
+
+
+def test_gpu_check_stops_before_its_runs(two_gpus, tmp_path, data_dir):
+    """benchmarks/gpu_check.sh, on the same machine: the entrypoint's line, before it prepares or runs anything."""
+    import subprocess
+
+    from conftest import ROOT
+
+    out = tmp_path / "check"
+    check = subprocess.run(["bash", "benchmarks/gpu_check.sh", "--data-dir", data_dir, "--output-dir", str(out)],
+                           cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert check.returncode == EXIT_BAD_INPUT, check.stderr[-3000:]
+    lines = check.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: this machine has 2 NVIDIA GPUs"), check.stderr
+    assert "running" not in check.stdout and not out.exists()
