@@ -4,6 +4,7 @@ tutorial's advice for larger batches (scale the learning rate with the batch, wa
 
 import os
 
+import numpy as np
 import tensorflow as tf
 
 import resume
@@ -86,7 +87,9 @@ class PrintLR(keras.callbacks.Callback):
     """Prints the learning rate the optimizer really applied at each epoch's end, not the schedule's value."""
 
     def on_epoch_end(self, epoch, logs=None):
-        print(f"\nLearning rate for epoch {epoch + 1} is {applied_learning_rate(self.model.optimizer)}")
+        # As the float32 it is, shortest form first: 0.001, not its float64 expansion 0.0010000000474974513.
+        rate = np.float32(applied_learning_rate(self.model.optimizer))
+        print(f"\nLearning rate for epoch {epoch + 1} is {rate!s}")
 
 
 class LogLR(keras.callbacks.Callback):

@@ -71,16 +71,19 @@ OUTPUT = "output"
 class Config:
     epochs: int = _option(12, "number of epochs to train", TRAINING)
     batch_size_per_replica: int = _option(64, "batch size on each replica; the global batch is this times the replica count", TRAINING)
-    steps_per_epoch: typing.Optional[int] = _option(None, "train at most this many steps each epoch (for quick smoke runs)", TRAINING)
+    steps_per_epoch: typing.Optional[int] = _option(None, "train at most this many steps each epoch, for quick smoke runs (unset: the whole epoch)", TRAINING)
 
     data_dir: typing.Optional[str] = _option(None, "tfds data dir; unset means tfds's own, ~/tensorflow_datasets", DATA)
-    idx_dir: typing.Optional[str] = _option(None, "offline: if --data-dir holds no prepared mnist, prepare it first from the four MNIST IDX files here", DATA)
+    idx_dir: typing.Optional[str] = _option(None, "offline: if --data-dir holds no prepared mnist, prepare it first from the four MNIST IDX files here (unset: tfds downloads what --data-dir lacks)", DATA)
     buffer_size: int = _option(10000, "shuffle buffer size, in examples", DATA)
 
     strategy: str = _option("mirrored", "distribution strategy; multiworker reads the cluster from TF_CONFIG or, "
                                         "without it, from Slurm's srun variables", CLUSTER, choices=STRATEGIES)
     cpu_replicas: int = _option(0, "split the host CPU into N logical devices and mirror across them (0: off)", CLUSTER)
     devices: typing.Optional[str] = _option(None, "comma-separated devices to mirror across, e.g. /gpu:0,/gpu:1; unset means all GPUs", CLUSTER)
+    allow_cpu: bool = _option(False, "train on the CPU even where NVIDIA GPUs are present that TensorFlow cannot use; "
+                                     "without it such a run stops at once (exit 2) and says how to install "
+                                     "TensorFlow's CUDA libraries (docs/multi-gpu.md, \"A GPU box\")", CLUSTER)
     # Schedulers: TF_CONFIG (Kubeflow's TFJob writes it) wins; without it, srun's variables describe the cluster.
     slurm_port_base: typing.Optional[int] = _option(
         None, "under srun without TF_CONFIG: the port of each node's first worker; the node's next workers take the "
@@ -109,7 +112,7 @@ class Config:
     jit_compile: bool = _option(False, "compile the train step with XLA", SPEED)
     step_metrics: typing.Optional[str] = _option(
         None, "--strategy multiworker: the loss and accuracy each step shows (progress bar, batch-level callbacks): "
-              "this worker's running means (worker, the default: no all-reduce a step) or all workers' (all: four "
+              "this worker's running means (worker, also when unset: no all-reduce a step) or all workers' (all: four "
               "all-reduces a step, 1.17x the step time with two CPU workers); each epoch's figures are all "
               "workers' either way", SPEED, choices=STEP_METRICS)
 
@@ -270,9 +273,17 @@ def _check_output_dir(path):
                          "choose a directory you can write to") from None
 
 
+class _DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Appends each option's default to its help, except None: "(default: None)" tells nobody anything, so the
+    help of every option that can be left unset says what unset means instead (tests/test_first_run.py)."""
+
+    def _get_help_string(self, action):
+        return action.help if action.default is None else super()._get_help_string(action)
+
+
 def build_parser(prog, description):
     parser = argparse.ArgumentParser(prog=prog, description=description, usage="%(prog)s [options]",
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                     formatter_class=_DefaultsHelpFormatter)
     hints = typing.get_type_hints(Config)
     groups = {}
     for field in dataclasses.fields(Config):

@@ -105,6 +105,19 @@ class _MnistFromIdx(tfds_mnist.MNIST, skip_registration=True):
         for index, (image, label) in enumerate(zip(images, labels)):
             yield index, {"image": image[..., None], "label": int(label)}
 
+    def _log_download_bytes(self):
+        """tfds's "Downloading and preparing dataset Unknown size ..." line: nothing is downloaded here, and
+        prepare() has said what it does."""
+
+    def _log_download_done(self):
+        print(f"prepared mnist in {self.data_dir}", flush=True)
+
+
+def _is_prepared(builder):
+    """builder.is_prepared(), without its warning that a dataset folder not yet made "has no dataset_info.json"
+    (a first offline run printed it twice); a folder that exists without that file still warns."""
+    return builder.data_path.exists() and builder.is_prepared()
+
 
 @contextlib.contextmanager
 def _prepare_lock(data_dir):
@@ -132,7 +145,7 @@ def prepare(idx_dir, data_dir=None, *, exist_ok=False):
     with _prepare_lock(root):
         # Made under the lock, so that it sees what a prepare that held the lock before wrote.
         builder = _MnistFromIdx(splits=splits, data_dir=data_dir)
-        if builder.is_prepared():
+        if _is_prepared(builder):
             if exist_ok:
                 return builder.data_dir
             raise UsageError(f"{builder.data_dir} already holds a prepared mnist; remove it first to prepare it again")
@@ -171,7 +184,7 @@ def load(data_dir=None, idx_dir=None):
     if data_dir is not None and not os.path.isdir(data_dir) and idx_dir is None:
         raise UsageError(f"--data-dir {data_dir} does not exist; prepare it with: {PREPARE_HINT} --data-dir {data_dir}")
     builder = tfds.builder("mnist", data_dir=data_dir)
-    if not builder.is_prepared():
+    if not _is_prepared(builder):
         if idx_dir is not None:
             prepare(idx_dir, data_dir, exist_ok=True)
         elif not _online():

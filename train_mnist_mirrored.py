@@ -24,6 +24,7 @@ os.environ.setdefault("TF_CPU_ALLOCATOR_USE_BFC", "true")
 
 import cluster
 import config
+import gpu_box
 import outputs
 import sigterm
 import terminal
@@ -67,6 +68,7 @@ def refuse_nccl_without_gpus(cfg, tf):
 
 def make_strategy(cfg, tf):
     """Logical CPU devices and GPU memory growth must be set before TensorFlow's runtime starts, hence first of all."""
+    gpu_box.refuse_silent_cpu_run(cfg, tf)
     refuse_nccl_without_gpus(cfg, tf)
     if cfg.gpu_memory_growth:
         for gpu in tf.config.list_physical_devices("GPU"):
