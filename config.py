@@ -16,7 +16,7 @@ import typing
 # Exit statuses, one table of them (README, "Exit codes"). Schedulers act on them: Kubeflow's TFJob
 # `restartPolicy: ExitCode` restarts on 130, 137, 138 and 143 and gives up on 1, 2, 126-128 and 139.
 EXIT_OK = 0
-EXIT_BAD_INPUT = 2  # permanent: one `error: <problem>; <fix>` line on stderr, nothing written lost
+EXIT_BAD_INPUT = 2  # permanent until fixed (bad input, a full disk, no intact backup): one `error: <problem>; <fix>` line, nothing written lost
 EXIT_INTERRUPTED = 130  # Ctrl-C (128 + SIGINT)
 EXIT_PEER_LOST = 138  # another worker was lost or never came; restart every worker to resume (128 + SIGUSR1, "retryable")
 EXIT_PREEMPTED = 143  # SIGTERM: state saved, restart to resume (128 + SIGTERM)
