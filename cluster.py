@@ -21,7 +21,7 @@ import sys
 import time
 
 import config
-from config import EXIT_OK, ClusterNotFormed, UsageError
+from config import EXIT_OK, EXIT_PREEMPTED, ClusterNotFormed, UsageError
 
 # The jobs of TF_CONFIG whose tasks train together (TensorFlow's coordination service registers these two).
 TRAINING_JOBS = ("chief", "worker")
@@ -252,13 +252,15 @@ def started():
 
 
 def leave(status):
-    """Ends this process now with `status`, after a successful run's last barrier.
+    """Ends this process now with `status`, after the last barrier of a run that succeeded or was pre-empted: every
+    worker has saved by then, so none is killed mid-save when another's exit ends the Slurm step (srun
+    --kill-on-bad-exit, deploy/slurm.sbatch).
 
     TensorFlow's teardown of a multi-worker runtime takes 2-20 s and logs errors when the coordination service's
     host is gone first; after a collective abort it is unusable anyway. Everything worth keeping is on disk by
     now (checkpoints, backup, TensorBoard's events, which its writers flush at each epoch's end).
     """
-    if status == EXIT_OK:
+    if status in (EXIT_OK, EXIT_PREEMPTED):
         from tensorflow.python.eager import context
 
         with contextlib.suppress(Exception):  # a worker gone by now: this one has finished all the same

@@ -28,6 +28,7 @@ PACKAGES = "slurmctld slurmd slurm-client munge"
 NODE_CPUS = 8
 START_SECONDS = 60  # daemons up and the nodes idle; about 2 s here
 STOP_SECONDS = 20
+CRED_EXPIRE_SECONDS = 10
 FINAL_STATES = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "PREEMPTED",
                 "BOOT_FAIL", "DEADLINE"}
 # srun's own lines for tasks that ended badly, one line for the tasks that ended alike at once ("tasks 0-1",
@@ -42,7 +43,8 @@ SlurmctldPort={controller_port}
 SlurmUser=root
 AuthType=auth/munge
 CredType=cred/munge
-AuthInfo=socket={munge_socket}
+# A requeued job starts again once its old credential has expired: 120 s by default.
+AuthInfo=socket={munge_socket},cred_expire={cred_expire}
 StateSaveLocation={folder}/state
 SlurmdSpoolDir={folder}/spool/%n
 SlurmctldPidFile={folder}/slurmctld.pid
@@ -120,7 +122,8 @@ class SlurmCluster:
                           for n in self.nodes)
         with open(self.conf, "w") as f:
             f.write(SLURM_CONF.format(controller=self.nodes[0].address, controller_port=self.controller_port,
-                                      munge_socket=self.munge_socket, folder=self.folder, nodes=nodes))
+                                      munge_socket=self.munge_socket, folder=self.folder, nodes=nodes,
+                                      cred_expire=CRED_EXPIRE_SECONDS))
         self._daemon("slurmctld", self.nodes[0].run_in + ["slurmctld", "-D", "-f", self.conf])
         for node in self.nodes:
             self._daemon(f"slurmd-{node.name}", node.run_in + ["slurmd", "-D", "-f", self.conf, "-N", node.name])

@@ -46,14 +46,17 @@ def test_sbatch_script_gives_srun_the_entrypoint_and_its_own_arguments_last(tmp_
     fake = tmp_path / "bin"
     fake.mkdir()
     record = tmp_path / "srun-argv"
-    (fake / "srun").write_text(f'#!/bin/sh\nprintf "%s\\n" "$@" > {record}\n')
+    (fake / "srun").write_text(f'#!/bin/sh\nprintf "%s\\0" "$@" > {record}\n')
     (fake / "srun").chmod(0o755)
     output_dir = str(tmp_path / "my runs" / "try")  # a space, which the script must keep in one argument
     proc = subprocess.run(["bash", SBATCH, "--epochs", "1", "--output-dir", output_dir], cwd=ROOT,
                           env={**os.environ, "PATH": f"{fake}{os.pathsep}{os.environ['PATH']}", "HOME": "/home/u"},
                           capture_output=True, text=True, timeout=30)
     assert proc.returncode == 0, proc.stderr
-    cfg = parsed(record.read_text().splitlines())
+    argv = record.read_text().split("\0")[:-1]
+    # srun ends the step when a task fails; each task runs the entrypoint under a shell that records its status.
+    assert argv[0] == "--kill-on-bad-exit=1" and argv[1:3] == ["bash", "-c"]
+    cfg = parsed(argv[argv.index("task") + 1:])
     assert cfg.strategy == "multiworker" and cfg.epochs == 1 and cfg.output_dir == output_dir
     # The script's own defaults stay where the caller did not override them.
     assert cfg.data_dir == "/home/u/tensorflow_datasets" and cfg.idx_dir == "/home/u/mnist-idx"
