@@ -171,7 +171,7 @@ def scenarios(measured):
     nccl = Link(NCCL_HOP_LATENCY_S, NCCL_BUS_BYTES_PER_S)
     gpu = {name: Step(seconds, 0.0, nccl) for name, seconds in GPU_STEP_S.items()}
     for batch in sorted({batch for _, _, batch, _, _ in measured_steps(measured)}):
-        rows.append((batch, f"GPUs, NCCL over InfiniBand, step {GPU_STEP_S['central'] * 1e3:g} ms (assumed)", "gpu",
+        rows.append((batch, f"GPUs, NCCL's ring across nodes, step {GPU_STEP_S['central'] * 1e3:g} ms (assumed)", "gpu",
                      {n: gpu["central"].efficiency(n) for n in all_workers()},
                      {n: (gpu["high"].efficiency(n), gpu["low"].efficiency(n)) for n in all_workers()}))
     return rows
@@ -211,7 +211,7 @@ def print_table(rows):
             print(f"{label:<66}" + "".join(f"{cell:>18}" for cell in cells))
     print("\nCPU: the range is the 4-byte all-reduce's time taken as per-hop latency (low) or as launch (high); "
           "GPU: the step assumed, its range from "
-          f"{GPU_STEP_S['high'] * 1e3:g} ms (low) to {GPU_STEP_S['low'] * 1e3:g} ms (high)")
+          f"{GPU_STEP_S['low'] * 1e3:g} ms (low) to {GPU_STEP_S['high'] * 1e3:g} ms (high)")
 
 
 def draw(rows, measured, path):
