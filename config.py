@@ -7,7 +7,6 @@ This module imports nothing heavy, so a bad flag is reported before TensorFlow s
 
 import argparse
 import dataclasses
-import json
 import os
 import tempfile
 import typing
@@ -195,65 +194,8 @@ def validate(cfg):
     if cfg.cross_device_ops == "nccl" and cfg.cpu_replicas:
         raise UsageError("--cross-device-ops nccl all-reduces between GPUs, but --cpu-replicas mirrors CPUs; "
                          "use reduce-to-one or hierarchical-copy with --cpu-replicas")
-    if cfg.strategy == "multiworker":
-        if os.environ.get("TF_CONFIG") or not in_slurm(os.environ):
-            parse_tf_config(os.environ.get("TF_CONFIG"))
-        else:
-            parse_slurm(os.environ)
     _check_output_dir(cfg.output_dir)
     return cfg
-
-
-def parse_tf_config(raw):
-    """Returns (task_type, task_index, cluster) from TF_CONFIG's text, or raises UsageError."""
-    fix = 'set TF_CONFIG like {"cluster": {"worker": ["host1:port", "host2:port"]}, "task": {"type": "worker", "index": 0}}'
-    if not raw:
-        raise UsageError("--strategy multiworker needs the TF_CONFIG environment variable, or to be started by "
-                         f"Slurm's srun (one task per worker); {fix}")
-    try:
-        spec = json.loads(raw)
-    except json.JSONDecodeError as err:
-        raise UsageError(f"TF_CONFIG is not valid JSON ({err.msg} at character {err.pos}); {fix}") from None
-    cluster = spec.get("cluster") if isinstance(spec, dict) else None
-    task = spec.get("task") if isinstance(spec, dict) else None
-    if not isinstance(cluster, dict) or not cluster.get("worker") and not cluster.get("chief"):
-        raise UsageError(f'TF_CONFIG has no "cluster" with a "worker" list; {fix}')
-    if any(not isinstance(v, list) or not all(isinstance(a, str) and a.rpartition(":")[2].isdigit() for a in v)
-           for v in cluster.values()):
-        raise UsageError(f'TF_CONFIG\'s cluster lists must hold "host:port" strings; {fix}')
-    if not isinstance(task, dict) or task.get("type") not in cluster:
-        raise UsageError(f'TF_CONFIG\'s "task" must have a "type" that names a list in "cluster"; {fix}')
-    index = task.get("index")
-    if not isinstance(index, int) or not 0 <= index < len(cluster[task["type"]]):
-        raise UsageError(f'TF_CONFIG\'s task index {index!r} is not a position in the {task["type"]!r} list; {fix}')
-    return task["type"], index, cluster
-
-
-def in_slurm(environ):
-    """True inside a Slurm job: srun's tasks, but also a batch script that forgot srun."""
-    return "SLURM_JOB_ID" in environ or "SLURM_PROCID" in environ
-
-
-def parse_slurm(environ):
-    """Returns (rank, tasks) from srun's variables, or raises UsageError.
-
-    TensorFlow's SlurmClusterResolver reads the same variables; checking them here reports a mistake before
-    TensorFlow starts. It checks the host and tasks-per-node lists itself, when the strategy is made.
-    """
-    fix = "start one task per worker with srun inside the job (docs/clusters.md, \"Slurm\"), or set TF_CONFIG"
-    missing = [name for name in SLURM_STEP_VARS if not environ.get(name)]
-    if missing:
-        raise UsageError(f"{', '.join(missing)} not set: this Slurm job's workers were not started by srun; {fix}")
-    counts = {}
-    for name in ("SLURM_PROCID", "SLURM_STEP_NUM_TASKS"):
-        try:
-            counts[name] = int(environ[name])
-        except ValueError:
-            raise UsageError(f"{name}={environ[name]!r} is not a whole number; {fix}") from None
-    rank, tasks = counts["SLURM_PROCID"], counts["SLURM_STEP_NUM_TASKS"]
-    if tasks < 1 or not 0 <= rank < tasks:
-        raise UsageError(f"SLURM_PROCID={rank} is not a task of the step's SLURM_STEP_NUM_TASKS={tasks}; {fix}")
-    return rank, tasks
 
 
 def _check_output_dir(path):
