@@ -12,13 +12,18 @@ import tempfile
 import typing
 
 
-# Exit statuses, one table of them (README, "Exit codes"). Schedulers act on them: Kubeflow's TFJob
-# `restartPolicy: ExitCode` restarts on 130, 137, 138 and 143 and gives up on 1, 2, 126-128 and 139.
+# Exit statuses, one table of them (README, "Exit codes"). Schedulers act on them (deploy/): Kubeflow's TFJob
+# `restartPolicy: ExitCode`, and the podFailurePolicy of the Indexed Job and the JobSet, restart a worker on the
+# retryable statuses below and give up on the permanent ones.
 EXIT_OK = 0
 EXIT_BAD_INPUT = 2  # permanent until fixed (bad input, a full disk, no intact backup): one `error: <problem>; <fix>` line, nothing written lost
 EXIT_INTERRUPTED = 130  # Ctrl-C (128 + SIGINT)
 EXIT_PEER_LOST = 138  # another worker was lost or never came; restart every worker to resume (128 + SIGUSR1, "retryable")
 EXIT_PREEMPTED = 143  # SIGTERM: state saved, restart to resume (128 + SIGTERM)
+# Beside the project's own: 1 an uncaught error, 126-128 a command that could not run, 139 a crash (SIGSEGV), and
+# 137 SIGKILL (a grace period over, or out of memory). Any other status is left to the scheduler's default.
+PERMANENT_EXIT_STATUSES = (1, EXIT_BAD_INPUT, 126, 127, 128, 139)
+RETRYABLE_EXIT_STATUSES = (EXIT_INTERRUPTED, 137, EXIT_PEER_LOST, EXIT_PREEMPTED)
 
 
 class UsageError(Exception):
@@ -37,6 +42,10 @@ class ClusterNotFormed(Exception):
 STRATEGIES = ("mirrored", "multiworker", "default")
 # What srun sets for each task of a job step, and TensorFlow's SlurmClusterResolver reads.
 SLURM_STEP_VARS = ("SLURM_PROCID", "SLURM_STEP_NUM_TASKS", "SLURM_STEP_NODELIST", "SLURM_STEP_TASKS_PER_NODE")
+# What each pod of a Kubernetes Indexed Job is told: its index (the Job controller sets it), and from the manifest
+# (deploy/indexed-job.yaml) the worker count, every worker's host name with {index} standing for its index, and
+# the port every worker listens on.
+INDEXED_JOB_VARS = ("JOB_COMPLETION_INDEX", "MNIST_WORKERS", "MNIST_WORKER_HOST", "MNIST_WORKER_PORT")
 MAX_PORT = 65535
 # Under srun without --slurm-port-base, a job's node's first worker listens on SLURM_PORT_FIRST plus
 # SLURM_PORTS_PER_JOB times (SLURM_JOB_ID modulo SLURM_PORT_SLOTS): jobs sharing a node take different blocks of
@@ -77,13 +86,15 @@ class Config:
     buffer_size: int = _option(10000, "shuffle buffer size, in examples", DATA)
 
     strategy: str = _option("mirrored", "distribution strategy; multiworker reads the cluster from TF_CONFIG or, "
-                                        "without it, from Slurm's srun variables", CLUSTER, choices=STRATEGIES)
+                                        "without it, from a Kubernetes Indexed Job's variables or Slurm's srun's",
+                        CLUSTER, choices=STRATEGIES)
     cpu_replicas: int = _option(0, "split the host CPU into N logical devices and mirror across them (0: off)", CLUSTER)
     devices: typing.Optional[str] = _option(None, "comma-separated devices to mirror across, e.g. /gpu:0,/gpu:1; unset means all GPUs", CLUSTER)
     allow_cpu: bool = _option(False, "train on the CPU even where NVIDIA GPUs are present that TensorFlow cannot use; "
                                      "without it such a run stops at once (exit 2) and says how to install "
                                      "TensorFlow's CUDA libraries (docs/multi-gpu.md, \"A GPU box\")", CLUSTER)
-    # Schedulers: TF_CONFIG (Kubeflow's TFJob writes it) wins; without it, srun's variables describe the cluster.
+    # Schedulers: TF_CONFIG (Kubeflow's TFJob writes it) wins; without it, an Indexed Job's or srun's variables
+    # describe the cluster.
     slurm_port_base: typing.Optional[int] = _option(
         None, "under srun without TF_CONFIG: the port of each node's first worker; the node's next workers take the "
               "ports after it (unset: 10000 + 16 x (SLURM_JOB_ID mod 1400), so jobs sharing a node differ)", CLUSTER)

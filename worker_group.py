@@ -103,7 +103,7 @@ def not_registered(missing):
 def port_taken(resolver, err):
     return (f"{resolver.task_type} {resolver.task_id} cannot listen on port {own_port(resolver)}: another process on "
             f"this host holds it ({err}); restart when it is free, or give this run other ports (--slurm-port-base, "
-            "or the ports in TF_CONFIG)")
+            "MNIST_WORKER_PORT, or the ports in TF_CONFIG)")
 
 
 def wait_for_others(resolver, timeout):

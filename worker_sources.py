@@ -1,36 +1,55 @@
-"""Where the workers of `--strategy multiworker` come from: TF_CONFIG, or Slurm's srun (beside the tutorial's
-step 1).
+"""Where the workers of `--strategy multiworker` come from: TF_CONFIG, a Kubernetes Indexed Job, or Slurm's srun
+(beside the tutorial's step 1).
 
-TF_CONFIG wins where it is set (Kubeflow's TFJob writes it); without it, the variables Slurm's srun sets for each
-task describe the cluster. `check` reads them before TensorFlow starts, so that a mistake is one `error:` line and
-exit 2; `cluster_resolver` then gives TensorFlow the same cluster. How the workers come together and leave is
-worker_group.py.
+TF_CONFIG wins where it is set (Kubeflow's TFJob writes it). Without it, an Indexed Job's pod knows its index
+(JOB_COMPLETION_INDEX) and, from variables its manifest sets, how many workers there are and their stable host
+names, `<job>-<index>.<service>`; under Slurm, the variables srun sets for each task describe the cluster. `check`
+reads them before TensorFlow starts, so that a mistake is one `error:` line and exit 2; `cluster_resolver` then
+gives TensorFlow the same cluster. How the workers come together and leave is worker_group.py.
 """
 
 import json
 import os
+import re
 import shutil
+import socket
 
 import config
 from config import UsageError
+
+TF_CONFIG, INDEXED_JOB, SLURM = "TF_CONFIG", "Indexed Job", "Slurm"
+# A host name as Kubernetes gives pods and Services (RFC 1123 labels), joined by dots.
+LABEL = r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?"
+HOST_NAME = re.compile(rf"{LABEL}(\.{LABEL})*")
+
+
+def source(environ):
+    """Which of the three describes the cluster: TF_CONFIG wins, then an Indexed Job's variables, then srun's."""
+    if environ.get("TF_CONFIG"):
+        return TF_CONFIG
+    if any(name in environ for name in config.INDEXED_JOB_VARS):
+        return INDEXED_JOB
+    if in_slurm(environ):
+        return SLURM
+    return TF_CONFIG  # none of them: TF_CONFIG's check says what is missing
 
 
 def check(cfg, environ):
     """Raises UsageError when a multi-worker run's variables do not describe a cluster (before TensorFlow starts)."""
     if cfg.strategy != "multiworker":
         return
-    if environ.get("TF_CONFIG") or not in_slurm(environ):
-        parse_tf_config(environ.get("TF_CONFIG"))
-    else:
-        parse_slurm(environ)
+    read = {TF_CONFIG: lambda: parse_tf_config(environ.get("TF_CONFIG")),
+            INDEXED_JOB: lambda: indexed_job(environ, socket.gethostname()), SLURM: lambda: parse_slurm(environ)}
+    read[source(environ)]()
 
 
 def parse_tf_config(raw):
     """Returns (task_type, task_index, cluster) from TF_CONFIG's text, or raises UsageError."""
     fix = 'set TF_CONFIG like {"cluster": {"worker": ["host1:port", "host2:port"]}, "task": {"type": "worker", "index": 0}}'
     if not raw:
-        raise UsageError("--strategy multiworker needs the TF_CONFIG environment variable, or to be started by "
-                         f"Slurm's srun (one task per worker); {fix}")
+        raise UsageError("--strategy multiworker needs the TF_CONFIG environment variable, a Kubernetes Indexed "
+                         "Job's variables (deploy/indexed-job.yaml), or to be started by Slurm's srun (one task per "
+                         f"worker); {fix}")
     try:
         spec = json.loads(raw)
     except json.JSONDecodeError as err:
@@ -77,10 +96,57 @@ def parse_slurm(environ):
     return rank, tasks
 
 
+def indexed_job(environ, own_host):
+    """Returns (index, ["host:port", ...]) from an Indexed Job pod's variables, or raises UsageError; `own_host`
+    is this pod's host name.
+
+    The Job controller sets JOB_COMPLETION_INDEX and names each pod's host `<job>-<index>`; with the pod's
+    `subdomain` set to a headless Service, `<job>-<index>.<service>` resolves to that pod (docs/clusters.md,
+    "Kubernetes"). The manifest gives the count, that name with {index} for the index, and the port.
+    """
+    fix = "set the pod's variables as deploy/indexed-job.yaml does (docs/clusters.md, \"Kubernetes\"), or set TF_CONFIG"
+    missing = [name for name in config.INDEXED_JOB_VARS if not environ.get(name)]
+    if missing:
+        raise UsageError(f"{', '.join(missing)} not set: a Kubernetes Indexed Job's pod needs all of "
+                         f"{', '.join(config.INDEXED_JOB_VARS)} (the Job controller sets the first); {fix}")
+    numbers = {}
+    for name in ("JOB_COMPLETION_INDEX", "MNIST_WORKERS", "MNIST_WORKER_PORT"):
+        try:
+            numbers[name] = int(environ[name])
+        except ValueError:
+            raise UsageError(f"{name}={environ[name]!r} is not a whole number; {fix}") from None
+    index, workers, port = numbers["JOB_COMPLETION_INDEX"], numbers["MNIST_WORKERS"], numbers["MNIST_WORKER_PORT"]
+    if workers < 1 or not 0 <= index < workers:
+        raise UsageError(f"JOB_COMPLETION_INDEX={index} is not a worker of MNIST_WORKERS={workers}; give "
+                         "MNIST_WORKERS the Job's completions and parallelism")
+    if not 1 <= port <= config.MAX_PORT:
+        raise UsageError(f"MNIST_WORKER_PORT={port} is not a port number, 1-{config.MAX_PORT}; {fix}")
+    pattern = environ["MNIST_WORKER_HOST"]
+    hosts = [pattern.replace("{index}", str(i)) for i in range(workers)]
+    if pattern.count("{index}") != 1 or not all(HOST_NAME.fullmatch(host) for host in hosts):
+        raise UsageError(f"MNIST_WORKER_HOST={pattern!r} is not a host name with {{index}} standing for the "
+                         "worker's index, like <job>-{index}.<service>; " + fix)
+    # The Job controller names this pod's host `<job>-<index>` (a pod on the node's network, hostNetwork, has the
+    # node's name instead): a pattern naming another job would leave every worker waiting for pods that never come.
+    if own_host.endswith(f"-{index}") and hosts[index].split(".")[0] != own_host:
+        raise UsageError(f"MNIST_WORKER_HOST={pattern!r} names this pod {hosts[index]}, but its host name is "
+                         f"{own_host}; start the pattern with the Job's name, <job>-{{index}}, and follow it with the "
+                         "headless Service that is the pod's subdomain")
+    return index, [f"{host}:{port}" for host in hosts]
+
+
 def cluster_resolver(cfg, tf):
-    """TF_CONFIG when it is set (Kubeflow's TFJob writes it, chief included), else the Slurm job step's variables."""
-    if os.environ.get("TF_CONFIG"):
+    """TF_CONFIG when it is set (Kubeflow's TFJob writes it, chief included), else an Indexed Job's variables,
+    else the Slurm job step's."""
+    where = source(os.environ)
+    if where == TF_CONFIG:
         return tf.distribute.cluster_resolver.TFConfigClusterResolver()
+    if where == INDEXED_JOB:
+        index, workers = indexed_job(os.environ, socket.gethostname())
+        # Worker 0 is the chief, as in a TF_CONFIG without a "chief" list; the GPUs are this pod's own.
+        return tf.distribute.cluster_resolver.SimpleClusterResolver(
+            tf.train.ClusterSpec({"worker": workers}), task_type="worker", task_id=index, rpc_layer="grpc",
+            num_accelerators={"GPU": len(tf.config.list_physical_devices("GPU"))})
     try:
         port_base = slurm_port_base(cfg.slurm_port_base, os.environ)
         if slurm_node_has_gpus():
