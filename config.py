@@ -7,19 +7,23 @@ This module imports nothing heavy, so a bad flag is reported before TensorFlow s
 
 import argparse
 import dataclasses
-import json
 import os
 import tempfile
 import typing
 
 
-# Exit statuses, one table of them (README, "Exit codes"). Schedulers act on them: Kubeflow's TFJob
-# `restartPolicy: ExitCode` restarts on 130, 137, 138 and 143 and gives up on 1, 2, 126-128 and 139.
+# Exit statuses, one table of them (README, "Exit codes"). Schedulers act on them (deploy/): Kubeflow's TFJob
+# `restartPolicy: ExitCode`, and the podFailurePolicy of the Indexed Job and the JobSet, restart a worker on the
+# retryable statuses below and give up on the permanent ones.
 EXIT_OK = 0
 EXIT_BAD_INPUT = 2  # permanent until fixed (bad input, a full disk, no intact backup): one `error: <problem>; <fix>` line, nothing written lost
 EXIT_INTERRUPTED = 130  # Ctrl-C (128 + SIGINT)
 EXIT_PEER_LOST = 138  # another worker was lost or never came; restart every worker to resume (128 + SIGUSR1, "retryable")
 EXIT_PREEMPTED = 143  # SIGTERM: state saved, restart to resume (128 + SIGTERM)
+# Beside the project's own: 1 an uncaught error, 126-128 a command that could not run, 139 a crash (SIGSEGV), and
+# 137 SIGKILL (a grace period over, or out of memory). Any other status is left to the scheduler's default.
+PERMANENT_EXIT_STATUSES = (1, EXIT_BAD_INPUT, 126, 127, 128, 139)
+RETRYABLE_EXIT_STATUSES = (EXIT_INTERRUPTED, 137, EXIT_PEER_LOST, EXIT_PREEMPTED)
 
 
 class UsageError(Exception):
@@ -38,6 +42,10 @@ class ClusterNotFormed(Exception):
 STRATEGIES = ("mirrored", "multiworker", "default")
 # What srun sets for each task of a job step, and TensorFlow's SlurmClusterResolver reads.
 SLURM_STEP_VARS = ("SLURM_PROCID", "SLURM_STEP_NUM_TASKS", "SLURM_STEP_NODELIST", "SLURM_STEP_TASKS_PER_NODE")
+# What each pod of a Kubernetes Indexed Job is told: its index (the Job controller sets it), and from the manifest
+# (deploy/indexed-job.yaml) the worker count, every worker's host name with {index} standing for its index, and
+# the port every worker listens on.
+INDEXED_JOB_VARS = ("JOB_COMPLETION_INDEX", "MNIST_WORKERS", "MNIST_WORKER_HOST", "MNIST_WORKER_PORT")
 MAX_PORT = 65535
 # Under srun without --slurm-port-base, a job's node's first worker listens on SLURM_PORT_FIRST plus
 # SLURM_PORTS_PER_JOB times (SLURM_JOB_ID modulo SLURM_PORT_SLOTS): jobs sharing a node take different blocks of
@@ -78,13 +86,15 @@ class Config:
     buffer_size: int = _option(10000, "shuffle buffer size, in examples", DATA)
 
     strategy: str = _option("mirrored", "distribution strategy; multiworker reads the cluster from TF_CONFIG or, "
-                                        "without it, from Slurm's srun variables", CLUSTER, choices=STRATEGIES)
+                                        "without it, from a Kubernetes Indexed Job's variables or Slurm's srun's",
+                        CLUSTER, choices=STRATEGIES)
     cpu_replicas: int = _option(0, "split the host CPU into N logical devices and mirror across them (0: off)", CLUSTER)
     devices: typing.Optional[str] = _option(None, "comma-separated devices to mirror across, e.g. /gpu:0,/gpu:1; unset means all GPUs", CLUSTER)
     allow_cpu: bool = _option(False, "train on the CPU even where NVIDIA GPUs are present that TensorFlow cannot use; "
                                      "without it such a run stops at once (exit 2) and says how to install "
                                      "TensorFlow's CUDA libraries (docs/multi-gpu.md, \"A GPU box\")", CLUSTER)
-    # Schedulers: TF_CONFIG (Kubeflow's TFJob writes it) wins; without it, srun's variables describe the cluster.
+    # Schedulers: TF_CONFIG (Kubeflow's TFJob writes it) wins; without it, an Indexed Job's or srun's variables
+    # describe the cluster.
     slurm_port_base: typing.Optional[int] = _option(
         None, "under srun without TF_CONFIG: the port of each node's first worker; the node's next workers take the "
               "ports after it (unset: 10000 + 16 x (SLURM_JOB_ID mod 1400), so jobs sharing a node differ)", CLUSTER)
@@ -195,65 +205,8 @@ def validate(cfg):
     if cfg.cross_device_ops == "nccl" and cfg.cpu_replicas:
         raise UsageError("--cross-device-ops nccl all-reduces between GPUs, but --cpu-replicas mirrors CPUs; "
                          "use reduce-to-one or hierarchical-copy with --cpu-replicas")
-    if cfg.strategy == "multiworker":
-        if os.environ.get("TF_CONFIG") or not in_slurm(os.environ):
-            parse_tf_config(os.environ.get("TF_CONFIG"))
-        else:
-            parse_slurm(os.environ)
     _check_output_dir(cfg.output_dir)
     return cfg
-
-
-def parse_tf_config(raw):
-    """Returns (task_type, task_index, cluster) from TF_CONFIG's text, or raises UsageError."""
-    fix = 'set TF_CONFIG like {"cluster": {"worker": ["host1:port", "host2:port"]}, "task": {"type": "worker", "index": 0}}'
-    if not raw:
-        raise UsageError("--strategy multiworker needs the TF_CONFIG environment variable, or to be started by "
-                         f"Slurm's srun (one task per worker); {fix}")
-    try:
-        spec = json.loads(raw)
-    except json.JSONDecodeError as err:
-        raise UsageError(f"TF_CONFIG is not valid JSON ({err.msg} at character {err.pos}); {fix}") from None
-    cluster = spec.get("cluster") if isinstance(spec, dict) else None
-    task = spec.get("task") if isinstance(spec, dict) else None
-    if not isinstance(cluster, dict) or not cluster.get("worker") and not cluster.get("chief"):
-        raise UsageError(f'TF_CONFIG has no "cluster" with a "worker" list; {fix}')
-    if any(not isinstance(v, list) or not all(isinstance(a, str) and a.rpartition(":")[2].isdigit() for a in v)
-           for v in cluster.values()):
-        raise UsageError(f'TF_CONFIG\'s cluster lists must hold "host:port" strings; {fix}')
-    if not isinstance(task, dict) or task.get("type") not in cluster:
-        raise UsageError(f'TF_CONFIG\'s "task" must have a "type" that names a list in "cluster"; {fix}')
-    index = task.get("index")
-    if not isinstance(index, int) or not 0 <= index < len(cluster[task["type"]]):
-        raise UsageError(f'TF_CONFIG\'s task index {index!r} is not a position in the {task["type"]!r} list; {fix}')
-    return task["type"], index, cluster
-
-
-def in_slurm(environ):
-    """True inside a Slurm job: srun's tasks, but also a batch script that forgot srun."""
-    return "SLURM_JOB_ID" in environ or "SLURM_PROCID" in environ
-
-
-def parse_slurm(environ):
-    """Returns (rank, tasks) from srun's variables, or raises UsageError.
-
-    TensorFlow's SlurmClusterResolver reads the same variables; checking them here reports a mistake before
-    TensorFlow starts. It checks the host and tasks-per-node lists itself, when the strategy is made.
-    """
-    fix = "start one task per worker with srun inside the job (docs/clusters.md, \"Slurm\"), or set TF_CONFIG"
-    missing = [name for name in SLURM_STEP_VARS if not environ.get(name)]
-    if missing:
-        raise UsageError(f"{', '.join(missing)} not set: this Slurm job's workers were not started by srun; {fix}")
-    counts = {}
-    for name in ("SLURM_PROCID", "SLURM_STEP_NUM_TASKS"):
-        try:
-            counts[name] = int(environ[name])
-        except ValueError:
-            raise UsageError(f"{name}={environ[name]!r} is not a whole number; {fix}") from None
-    rank, tasks = counts["SLURM_PROCID"], counts["SLURM_STEP_NUM_TASKS"]
-    if tasks < 1 or not 0 <= rank < tasks:
-        raise UsageError(f"SLURM_PROCID={rank} is not a task of the step's SLURM_STEP_NUM_TASKS={tasks}; {fix}")
-    return rank, tasks
 
 
 def _check_output_dir(path):

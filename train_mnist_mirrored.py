@@ -22,12 +22,13 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 # (docs/performance.md, "Several workers"). Read when TensorFlow makes its first CPU device; a user's setting wins.
 os.environ.setdefault("TF_CPU_ALLOCATOR_USE_BFC", "true")
 
-import cluster
 import config
 import gpu_box
 import outputs
 import sigterm
 import terminal
+import worker_group
+import worker_sources
 from config import (EXIT_BAD_INPUT, EXIT_INTERRUPTED, EXIT_OK, EXIT_PEER_LOST, EXIT_PREEMPTED, ClusterNotFormed,
                     Preempted, UsageError)
 
@@ -77,10 +78,10 @@ def make_strategy(cfg, tf):
         cpu = tf.config.list_physical_devices("CPU")[0]
         tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * cfg.cpu_replicas)
     if cfg.strategy == "multiworker":
-        resolver = cluster.cluster_resolver(cfg, tf)
-        cluster.warn_open_port(resolver)
+        resolver = worker_sources.cluster_resolver(cfg, tf)
+        worker_group.warn_open_port(resolver)
         # TF 2.0's tf.distribute.experimental.MultiWorkerMirroredStrategy, made once every worker is there.
-        return cluster.form(resolver, lambda: tf.distribute.MultiWorkerMirroredStrategy(
+        return worker_group.form(resolver, lambda: tf.distribute.MultiWorkerMirroredStrategy(
             cluster_resolver=resolver, communication_options=communication_options(cfg, tf)),
             tf, timeout=cfg.cluster_timeout, verbose=cfg.verbose)
     if cfg.strategy == "default":
@@ -205,6 +206,7 @@ def outcome(args, preemption):
     cfg = None
     try:
         cfg = config.validate(config.from_args(args))
+        worker_sources.check(cfg, os.environ)
         outputs.refuse_finished_run(cfg)
         return run(cfg, preemption), None
     except UsageError as err:
@@ -219,7 +221,7 @@ def outcome(args, preemption):
         full = outputs.no_space(cfg, err)
         if full is not None:
             return EXIT_BAD_INPUT, f"error: {full}"
-        lost = cluster.lost_peer(cfg, err)
+        lost = worker_group.lost_peer(cfg, err)
         if lost is None:
             raise
         return EXIT_PEER_LOST, f"error: {lost}; restart every worker with the same command: the run resumes from the last backup"
@@ -234,8 +236,8 @@ def main(argv=None):
         status, line = outcome(args, preemption)
     if line:
         print(line, file=sys.stderr)
-    if cluster.started():
-        cluster.leave(status)
+    if worker_group.started():
+        worker_group.leave(status)
     return status
 
 

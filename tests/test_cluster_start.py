@@ -17,9 +17,10 @@ import time
 
 import pytest
 
-import cluster
 import config
 import sigterm
+import worker_group
+import worker_sources
 from conftest import ROOT, Worker, finish, free_ports, subprocess_env
 
 TIMEOUT = 5  # --cluster-timeout of these tests, seconds
@@ -76,7 +77,7 @@ def test_sigterm_while_waiting_for_the_cluster_exits_143_at_once(tmp_path, data_
     worker = Worker(args(data_dir, str(tmp_path / "out"), "--cluster-timeout", "600"), tf_config(ports, 0),
                     tmp_path, "w0")
     try:
-        while not cluster.knock(f"127.0.0.1:{ports[0]}", b"hello"):  # it listens: it is waiting for worker 1
+        while not worker_group.knock(f"127.0.0.1:{ports[0]}", b"hello"):  # it listens: it is waiting for worker 1
             assert worker.proc.poll() is None, worker.stderr[-3000:]
             time.sleep(0.2)
         time.sleep(1)
@@ -190,12 +191,12 @@ def test_sigterm_while_the_results_are_written_is_ignored():
 
 
 def test_slurm_port_base_comes_from_the_job_id():
-    assert cluster.slurm_port_base(8888, {"SLURM_JOB_ID": "4242"}) == 8888  # --slurm-port-base wins
-    bases = {job: cluster.slurm_port_base(None, {"SLURM_JOB_ID": str(job)}) for job in range(100000, 100000 + 1400)}
+    assert worker_sources.slurm_port_base(8888, {"SLURM_JOB_ID": "4242"}) == 8888  # --slurm-port-base wins
+    bases = {job: worker_sources.slurm_port_base(None, {"SLURM_JOB_ID": str(job)}) for job in range(100000, 100000 + 1400)}
     # Every job of a run of 1,400 consecutive ids gets a block of its own, below the ephemeral ports.
     assert len(set(bases.values())) == 1400
     assert all(b % config.SLURM_PORTS_PER_JOB == 0 for b in bases.values())
     assert min(bases.values()) >= config.SLURM_PORT_FIRST
     assert max(bases.values()) + config.SLURM_PORTS_PER_JOB <= 32768
     with pytest.raises(config.UsageError, match="SLURM_JOB_ID"):
-        cluster.slurm_port_base(None, {"SLURM_JOB_ID": "12_3"})
+        worker_sources.slurm_port_base(None, {"SLURM_JOB_ID": "12_3"})

@@ -1,19 +1,34 @@
-"""deploy/: the Slurm batch script and the Kubeflow TFJob manifest run commands the entrypoint accepts.
+"""deploy/: the Slurm batch script and the Kubernetes manifests run commands the entrypoint accepts.
 
 Real Slurm runs the batch script in tests/test_slurm.py; here, without any daemon, a stand-in `srun` records
-the command the script gives it.
+the command the script gives it. The Indexed Job, its Service and the JobSet are checked offline: against
+Kubernetes' own schemas (kubernetes-validate) and JobSet's CRD, then for what an API server or a controller
+would do with them that no schema says. tests/test_indexed_job.py runs the Indexed Job's pods as separate hosts.
 """
 
+import copy
 import os
+import re
 import subprocess
 
+import jsonschema
+import kubernetes_validate
+import pytest
 import yaml
 
 import config
-from conftest import ROOT
+import worker_sources
+from conftest import ROOT, skip_unless_ci
 
 SBATCH = os.path.join(ROOT, "deploy", "slurm.sbatch")
 TFJOB = os.path.join(ROOT, "deploy", "tfjob.yaml")
+INDEXED_JOB = os.path.join(ROOT, "deploy", "indexed-job.yaml")
+JOBSET = os.path.join(ROOT, "deploy", "jobset.yaml")
+# JobSet's CRD (kubernetes-sigs/jobset at 08dfbdf), beside the project's folder as in CI.
+JOBSET_CRD = os.path.join(ROOT, "..", "shared", "k8s", "jobset.x-k8s.io_jobsets.yaml")
+# The oldest Kubernetes the docs name (podFailurePolicy is GA from 1.31) and the newest whose schemas
+# kubernetes-validate ships.
+KUBERNETES_VERSIONS = ("1.31", kubernetes_validate.latest_version())
 ENTRYPOINT = ["python", "train_mnist_mirrored.py"]
 
 
@@ -60,3 +75,180 @@ def test_sbatch_script_gives_srun_the_entrypoint_and_its_own_arguments_last(tmp_
     assert cfg.strategy == "multiworker" and cfg.epochs == 1 and cfg.output_dir == output_dir
     # The script's own defaults stay where the caller did not override them.
     assert cfg.data_dir == "/home/u/tensorflow_datasets" and cfg.idx_dir == "/home/u/mnist-idx"
+
+
+# ---------------------------------------------------------------- Kubernetes: Indexed Job, Service, JobSet
+
+def documents(path):
+    """{kind: document} of a manifest file."""
+    with open(path) as f:
+        return {doc["kind"]: doc for doc in yaml.safe_load_all(f)}
+
+
+def job_specs():
+    """(name, the Job's spec, its pods' host name with {index}, their subdomain) of each manifest."""
+    job, service = documents(INDEXED_JOB)["Job"], documents(INDEXED_JOB)["Service"]
+    jobset = documents(JOBSET)["JobSet"]
+    replicated = jobset["spec"]["replicatedJobs"][0]
+    return [("indexed-job", job["spec"], job["metadata"]["name"] + "-{index}", service["metadata"]["name"]),
+            ("jobset", replicated["template"]["spec"], f"{jobset['metadata']['name']}-{replicated['name']}-0-{{index}}",
+             jobset["spec"]["network"]["subdomain"])]
+
+
+JOB_SPECS = job_specs()
+
+
+def trainer(spec):
+    container, = spec["template"]["spec"]["containers"]
+    return container
+
+
+def test_each_pod_has_a_stable_dns_name():
+    """An Indexed Job's pod is `<job>-<index>.<subdomain>` where its subdomain is a headless Service selecting it;
+    JobSet makes that Service for one replicated Job of its own."""
+    job, service = documents(INDEXED_JOB)["Job"], documents(INDEXED_JOB)["Service"]
+    assert service["spec"]["clusterIP"] == "None"
+    assert service["spec"]["selector"] == {"batch.kubernetes.io/job-name": job["metadata"]["name"]}
+    assert job["spec"]["template"]["spec"]["subdomain"] == service["metadata"]["name"]
+    jobset = documents(JOBSET)["JobSet"]
+    assert jobset["spec"]["network"]["enableDNSHostnames"] and len(jobset["spec"]["replicatedJobs"]) == 1
+    assert jobset["spec"]["replicatedJobs"][0]["replicas"] == 1
+
+
+@pytest.mark.parametrize("version", KUBERNETES_VERSIONS)
+def test_the_job_and_its_service_validate_against_kubernetes_own_schemas(version):
+    """--strict: an unknown or misspelt field fails, as kubectl's strict field validation would."""
+    refused = []
+    for doc in documents(INDEXED_JOB).values():
+        try:
+            kubernetes_validate.validate(doc, version, strict=True)
+        except jsonschema.ValidationError as err:  # its text holds the whole schema: keep the message
+            refused.append(f"{doc['kind']}: {err.message} at {'.'.join(map(str, err.absolute_path))}")
+    assert refused == []
+
+
+def closed(schema):
+    """The CRD's schema with every object that lists its properties closed to others: an API server drops unknown
+    fields of a custom resource (kubectl's strict field validation refuses them), where JSON Schema allows them."""
+    schema = copy.deepcopy(schema)
+    nodes = [schema]
+    while nodes:
+        node = nodes.pop()
+        if "properties" in node and not node.get("x-kubernetes-preserve-unknown-fields"):
+            node.setdefault("additionalProperties", False)
+        nodes.extend(v for v in node.get("properties", {}).values())
+        nodes.extend(node[key] for key in ("items", "additionalProperties") if isinstance(node.get(key), dict))
+    return schema
+
+
+@pytest.fixture(scope="module")
+def jobset_schema():
+    if not os.path.exists(JOBSET_CRD):
+        skip_unless_ci(f"JobSet's CRD is not at {os.path.normpath(JOBSET_CRD)}")
+    with open(JOBSET_CRD) as f:
+        crd = yaml.safe_load(f)
+    schema, = [v["schema"]["openAPIV3Schema"] for v in crd["spec"]["versions"] if v["name"] == "v1alpha2"]
+    return jsonschema.Draft7Validator(closed(schema))
+
+
+def test_the_jobset_validates_against_its_crd(jobset_schema):
+    jobset = documents(JOBSET)["JobSet"]
+    assert jobset["apiVersion"] == "jobset.x-k8s.io/v1alpha2"
+    assert [e.message for e in jobset_schema.iter_errors(jobset)] == []
+    # The check has teeth: a misspelt field and a failure rule without its required name are refused.
+    misspelt = copy.deepcopy(jobset)
+    misspelt["spec"]["replicatedJobs"][0]["template"]["spec"]["completion"] = 2
+    unnamed = copy.deepcopy(jobset)
+    del unnamed["spec"]["failurePolicy"]["rules"][0]["name"]
+    for bad in (misspelt, unnamed):
+        assert list(jobset_schema.iter_errors(bad))
+
+
+def first_match(rules, code):
+    """The action of the first podFailurePolicy rule whose exit codes match `code` (the Job controller tries them in
+    order); None where none does."""
+    for rule in rules:
+        codes = rule.get("onExitCodes")
+        if codes and (code in codes["values"]) == (codes["operator"] == "In"):
+            return rule["action"]
+    return None
+
+
+@pytest.mark.parametrize("name, spec, host, subdomain", JOB_SPECS, ids=[s[0] for s in JOB_SPECS])
+def test_the_pod_failure_policy_carries_the_exit_status_contract(name, spec, host, subdomain):
+    pod = spec["template"]["spec"]
+    # The API server accepts a podFailurePolicy only with restartPolicy Never: with OnFailure the kubelet would
+    # restart the container in place, and no rule would ever see an exit status.
+    assert pod["restartPolicy"] == "Never"
+    assert spec["completionMode"] == "Indexed"
+    rules = spec["podFailurePolicy"]["rules"]
+    for rule in rules:
+        codes = rule.get("onExitCodes")
+        if codes:
+            # What the API server refuses: values unsorted or repeated, 0 in an In list, a container not in the pod.
+            assert codes["values"] == sorted(set(codes["values"])) and 1 <= len(codes["values"]) <= 255, codes
+            assert not (codes["operator"] == "In" and 0 in codes["values"]), codes
+            assert codes["containerName"] == trainer(spec)["name"]
+    # A disrupted pod (drained node, pre-emption) is seen first, whatever its status (143 after it saved).
+    assert rules[0]["onPodConditions"] == [{"type": "DisruptionTarget", "status": "True"}]
+    assert rules[0]["action"] == {"indexed-job": "Ignore", "jobset": "FailJob"}[name]
+    actions = [rule["action"] for rule in rules[1:]]
+    assert actions == sorted(actions, key=["FailJob", "Count"].index)  # FailJob before Count
+    for code in config.PERMANENT_EXIT_STATUSES:
+        assert first_match(rules[1:], code) == "FailJob", code
+    for code in config.RETRYABLE_EXIT_STATUSES:
+        assert first_match(rules[1:], code) == "Count", code
+    # A replacement pod starts only once the pod it replaces has ended, so it never reads a backup being written;
+    # the grace period is longer than Kubernetes' default 30 s, for the save.
+    assert spec["podReplacementPolicy"] == "Failed"
+    assert pod["terminationGracePeriodSeconds"] > 30
+
+
+@pytest.mark.parametrize("name, spec, host, subdomain", JOB_SPECS, ids=[s[0] for s in JOB_SPECS])
+def test_every_pod_finds_its_workers_and_runs_options_the_entrypoint_accepts(name, spec, host, subdomain):
+    """The pods' variables, read by the entrypoint's own parser on the host each pod of the Job gets."""
+    container = trainer(spec)
+    env = {var["name"]: var["value"] for var in container["env"]}
+    workers = int(env["MNIST_WORKERS"])
+    assert spec["completions"] == spec["parallelism"] == workers  # every worker at once
+    if name == "indexed-job":
+        # One lost worker costs one count per worker: its own failure and the others' 138.
+        assert spec["backoffLimit"] >= workers and spec["backoffLimit"] % workers == 0
+    else:
+        assert spec["backoffLimit"] == 0  # any failure fails the Job, and JobSet restarts the whole set
+    assert [p["containerPort"] for p in container["ports"]] == [int(env["MNIST_WORKER_PORT"])]
+    expected = [f"{host.format(index=i)}.{subdomain}:{env['MNIST_WORKER_PORT']}" for i in range(workers)]
+    for index in range(workers):
+        found = worker_sources.indexed_job({**env, "JOB_COMPLETION_INDEX": str(index)}, host.format(index=index))
+        assert found == (index, expected)
+    cfg = parsed(container["command"] + container.get("args", []))
+    assert cfg.strategy == "multiworker"
+    mounts = [m["mountPath"] for m in container["volumeMounts"]]
+    for path in (cfg.data_dir, cfg.idx_dir, cfg.output_dir):
+        assert any(path.startswith(m + "/") for m in mounts), path
+
+
+# What the Job controller writes on a Job that failed (pkg/controller/job/pod_failure_policy.go, job_controller.go).
+JOB_FAILURES = {
+    "disrupted": ("PodFailurePolicy", "Pod default/mnist-mirrored-workers-0-1-x7k2p has condition DisruptionTarget "
+                                      "matching FailJob rule at index 0"),
+    "permanent": ("PodFailurePolicy", "Container trainer for pod default/mnist-mirrored-workers-0-1-x7k2p failed with "
+                                      "exit code 2 matching FailJob rule at index 1"),
+    "retryable": ("BackoffLimitExceeded", "Job has reached the specified backoff limit"),
+}
+
+
+def test_the_jobset_restarts_the_set_on_what_is_retryable_and_fails_on_what_is_not():
+    """JobSet tries its failure rules in order, the first match deciding; RestartJobSet when none matches."""
+    policy = documents(JOBSET)["JobSet"]["spec"]["failurePolicy"]
+    assert policy["restartStrategy"] == "BlockingRecreate" and policy["maxRestarts"] >= 1
+
+    def action(reason, message):
+        for rule in policy["rules"]:
+            if (reason in rule.get("onJobFailureReasons", [reason]) and
+                    any(re.search(p, message) for p in rule.get("onJobFailureMessagePatterns", [".*"]))):
+                return rule["action"]
+        return "RestartJobSet"
+
+    assert {what: action(*failure) for what, failure in JOB_FAILURES.items()} == {
+        "disrupted": "RestartJobSetAndIgnoreMaxRestarts", "permanent": "FailJobSet", "retryable": "RestartJobSet"}

@@ -8,7 +8,7 @@ import sys
 import pytest
 
 import config
-import cluster
+import worker_group
 import terminal
 import train_mnist_mirrored
 from conftest import Worker, assert_one_port_warning, finish, free_ports, smoke_args
@@ -125,15 +125,15 @@ def test_lost_peer_is_named_only_for_multiworker_collective_failures():
     reset = ("Collective ops is aborted by: Socket closed\nAdditional GRPC error information from remote target "
              "/job:worker/replica:0/task:1 while calling /tensorflow.WorkerService/RecvBuf:")
     multi, single = config.Config(strategy="multiworker"), config.Config()
-    assert cluster.lost_peer(multi, tf.errors.UnavailableError(None, None, reset)) == (
+    assert worker_group.lost_peer(multi, tf.errors.UnavailableError(None, None, reset)) == (
         "lost worker 1 of this multi-worker run (Socket closed)")
     leader = "Collective ops is aborted by: Deadline Exceeded\n\nRPC: /tensorflow.CoordinationService/Heartbeat"
-    assert "coordination service" in cluster.lost_peer(
+    assert "coordination service" in worker_group.lost_peer(
         multi, tf.errors.DeadlineExceededError(None, None, leader))
     # Other errors keep their own status and traceback: only a multi-worker run loses peers.
-    assert cluster.lost_peer(single, tf.errors.UnavailableError(None, None, reset)) is None
-    assert cluster.lost_peer(multi, tf.errors.InvalidArgumentError(None, None, reset)) is None
-    assert cluster.lost_peer(multi, ValueError(reset)) is None
+    assert worker_group.lost_peer(single, tf.errors.UnavailableError(None, None, reset)) is None
+    assert worker_group.lost_peer(multi, tf.errors.InvalidArgumentError(None, None, reset)) is None
+    assert worker_group.lost_peer(multi, ValueError(reset)) is None
 
 
 # ---------------------------------------------------------------- bad Slurm variables and options: exit 2

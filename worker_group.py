@@ -1,11 +1,10 @@
-"""Where the workers come from, how they come together, and how a lost one is recognised (beside the tutorial's
-step 1).
+"""How the workers of `--strategy multiworker` come together, and how they leave (beside the tutorial's step 1).
 
-`--strategy multiworker` reads its cluster from TF_CONFIG (Kubeflow's TFJob writes it) or, without it, from the
-variables Slurm's srun sets for each task. Each worker warns that its port is open, waits (interruptibly, and no
-longer than --cluster-timeout) until every other worker has knocked, and only then lets TensorFlow form the cluster. A
-cluster that cannot form, and a run that loses a worker, are told apart from any other failure so that they exit
-with a retryable status (README, "Exit codes"); a multi-worker process leaves without TensorFlow's teardown.
+Each worker warns that its port is open, waits (interruptibly, and no longer than --cluster-timeout) until every
+other worker has knocked, and only then lets TensorFlow form the cluster. A cluster that cannot form, and a run
+that loses a worker, are told apart from any other failure so that they exit with a retryable status (README,
+"Exit codes"); a multi-worker process leaves without TensorFlow's teardown. Where the workers come from is
+worker_sources.py.
 """
 
 import atexit
@@ -15,7 +14,6 @@ import hashlib
 import json
 import os
 import re
-import shutil
 import socket
 import sys
 import time
@@ -35,64 +33,6 @@ REGISTER_SECONDS = 60
 # no worker outlives the one hosting the coordination service and logs its lost heartbeats as errors.
 EXIT_BARRIER = "mnist-mirrored-exit"
 EXIT_BARRIER_SECONDS = 60
-
-
-def cluster_resolver(cfg, tf):
-    """TF_CONFIG when it is set (Kubeflow's TFJob writes it, chief included), else the Slurm job step's variables."""
-    if os.environ.get("TF_CONFIG"):
-        return tf.distribute.cluster_resolver.TFConfigClusterResolver()
-    try:
-        port_base = slurm_port_base(cfg.slurm_port_base, os.environ)
-        if slurm_node_has_gpus():
-            # TensorFlow's resolver counts the node's GPUs and gives each task its share in CUDA_VISIBLE_DEVICES.
-            slurm = tf.distribute.cluster_resolver.SlurmClusterResolver(port_base=port_base)
-            slurm.cluster_spec()
-            show_only_gpus(os.environ["CUDA_VISIBLE_DEVICES"], tf)
-            return slurm
-        # Told "no GPUs", TensorFlow's resolver lists no tasks at all (it hands out one port per GPU share), so
-        # give it one share per task, keep its cluster and task, and tell the strategy there are no GPUs.
-        tasks = int(os.environ["SLURM_STEP_NUM_TASKS"])
-        slurm = tf.distribute.cluster_resolver.SlurmClusterResolver(
-            port_base=port_base, gpus_per_node=tasks, gpus_per_task=1, auto_set_gpu=False)
-        cluster = slurm.cluster_spec()
-        task_type, task_id = slurm.get_task_info()
-        return tf.distribute.cluster_resolver.SimpleClusterResolver(
-            cluster, task_type=task_type, task_id=task_id, rpc_layer=slurm.rpc_layer, num_accelerators={"GPU": 0})
-    except (ValueError, RuntimeError) as err:
-        # TensorFlow's resolver raises these for host or tasks-per-node lists it cannot read, or that disagree.
-        raise UsageError(f"the Slurm variables do not describe this job step ({err}); start one task per worker "
-                         "with srun inside the job (docs/clusters.md, \"Slurm\"), or set TF_CONFIG") from None
-
-
-def slurm_port_base(chosen, environ):
-    """--slurm-port-base if given, else a block of ports of the job's own (config.SLURM_PORT_FIRST), so that two
-    jobs sharing a node do not both take TensorFlow's 8888."""
-    if chosen is not None:
-        return chosen
-    job = environ.get("SLURM_JOB_ID", "0")
-    if not job.isdigit():
-        raise UsageError(f"SLURM_JOB_ID={job!r} is not a job number; give the ports with --slurm-port-base")
-    return config.SLURM_PORT_FIRST + config.SLURM_PORTS_PER_JOB * (int(job) % config.SLURM_PORT_SLOTS)
-
-
-def show_only_gpus(share, tf):
-    """CUDA reads CUDA_VISIBLE_DEVICES once, and start_tensorflow has already probed the GPUs, so the resolver's
-    share (indices among the GPUs this process sees) becomes TensorFlow's visible devices instead."""
-    gpus = tf.config.list_physical_devices("GPU")
-    indices = [int(i) for i in share.split(",")]
-    if max(indices) >= len(gpus):
-        raise UsageError(f"Slurm's task was given GPUs {share}, but TensorFlow sees {len(gpus)} GPUs here; "
-                         "give each task at least one GPU of its node, or run on nodes without GPUs")
-    tf.config.set_visible_devices([gpus[i] for i in indices], "GPU")
-
-
-def slurm_node_has_gpus():
-    """Whether TensorFlow's own GPU count can run here: it reads CUDA_VISIBLE_DEVICES (Slurm sets it for GPU
-    jobs), else asks nvidia-smi, which a machine without GPUs lacks (FileNotFoundError)."""
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if visible is not None:
-        return visible.strip() not in ("", "-1")  # both mean "no GPUs" to CUDA
-    return shutil.which("nvidia-smi") is not None
 
 
 def warn_open_port(resolver):
@@ -163,7 +103,7 @@ def not_registered(missing):
 def port_taken(resolver, err):
     return (f"{resolver.task_type} {resolver.task_id} cannot listen on port {own_port(resolver)}: another process on "
             f"this host holds it ({err}); restart when it is free, or give this run other ports (--slurm-port-base, "
-            "or the ports in TF_CONFIG)")
+            "MNIST_WORKER_PORT, or the ports in TF_CONFIG)")
 
 
 def wait_for_others(resolver, timeout):
