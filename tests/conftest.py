@@ -248,6 +248,17 @@ def started(kind, *args, **kwargs):
         skip_unless_ci(f"{kind.__name__} did not start: {getattr(err, 'stderr', None) or err}")
 
 
+def assert_refused_in_one_line(status, stderr, words, output_dir):
+    """Bad input: exit 2 and one `error:` line on stderr holding each of `words`, and nothing written."""
+    lines = stderr.strip().splitlines()
+    assert status == 2, stderr[-3000:]
+    assert len(lines) == 1 and lines[0].startswith("error:"), lines
+    for word in words:
+        assert word in lines[0], (word, lines[0])
+    assert not os.path.exists(output_dir)
+    return lines[0]
+
+
 def assert_one_port_warning(stderr, port):
     warnings = [line for line in stderr.splitlines() if "unauthenticated" in line]
     assert len(warnings) == 1 and f"port {port} " in warnings[0], stderr[-3000:]

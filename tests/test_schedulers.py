@@ -11,7 +11,7 @@ import config
 import worker_group
 import terminal
 import train_mnist_mirrored
-from conftest import Worker, assert_one_port_warning, finish, free_ports, smoke_args
+from conftest import Worker, assert_one_port_warning, assert_refused_in_one_line, finish, free_ports, smoke_args
 
 CHIEF_OUTPUTS = ["logs", "model.keras", "results.json", "saved_model", "training_checkpoints"]
 
@@ -176,12 +176,7 @@ def test_bad_slurm_step_is_refused_in_one_line(changes, flags, words, slurm_step
     slurm_step(**changes)
     rc = train_mnist_mirrored.main(["--strategy", "multiworker", *flags, "--epochs", "1",
                                     "--data-dir", str(tmp_path / "unused"), "--output-dir", str(tmp_path / "out")])
-    lines = capsys.readouterr().err.strip().splitlines()
-    assert rc == config.EXIT_BAD_INPUT
-    assert len(lines) == 1 and lines[0].startswith("error:"), lines
-    for word in words:
-        assert word in lines[0], (word, lines[0])
-    assert not (tmp_path / "out").exists()
+    assert_refused_in_one_line(rc, capsys.readouterr().err, words, tmp_path / "out")
 
 
 def test_tf_config_wins_over_slurm(slurm_step, tmp_path, monkeypatch, capsys):

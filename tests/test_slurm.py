@@ -69,9 +69,16 @@ def one_node(tmp_path_factory, python_bin):
         yield cluster
 
 
-def submit(cluster, folder, *args, options=()):
+def submit(cluster, folder, *args, options=(), **env):
+    """The batch script with its `args`, its output in `folder`; `env`: variables for the job (MNIST_PYTHON, ...)."""
     return cluster.sbatch(SCRIPT, *args, options=[*options, f"--output={folder}/job-%j.out"], cwd=ROOT,
-                          env=cluster.job_env())
+                          env=cluster.job_env(**env))
+
+
+def one_epoch(folder, data_dir):
+    """The arguments of a job of one epoch on the small data, on ports of its own."""
+    base = free_ports(2, consecutive=True)[0]
+    return ["--epochs", "1", "--slurm-port-base", str(base), "--data-dir", data_dir, "--output-dir", str(folder / "out")]
 
 
 def statuses(exits):
@@ -181,11 +188,7 @@ def _python_that(folder, task1):
 def test_bad_input_on_one_task_fails_the_job_at_once_without_a_retry(one_node, tmp_path, data_dir):
     # Task 1 gets --epochs 0; task 0 waits for it at the cluster's start, until the step is ended.
     python = _python_that(tmp_path, 'exec python "$@" --epochs 0')
-    base = free_ports(2, consecutive=True)[0]
-    job_id = one_node.sbatch(SCRIPT, "--epochs", "1", "--slurm-port-base", str(base), "--data-dir", data_dir,
-                             "--output-dir", str(tmp_path / "out"),
-                             options=[*ONE_NODE, f"--output={tmp_path}/job-%j.out"], cwd=ROOT,
-                             env=one_node.job_env(MNIST_PYTHON=python))
+    job_id = submit(one_node, tmp_path, *one_epoch(tmp_path, data_dir), options=ONE_NODE, MNIST_PYTHON=python)
     sent = time.monotonic()
     job, output, exits = watch(one_node, job_id, sent, EXIT_SECONDS)
     print(f"\nbad input on task 1: srun reported {exits}; the job {job['JobState']} {job['ExitCode']} "
@@ -201,11 +204,8 @@ def test_bad_input_on_one_task_fails_the_job_at_once_without_a_retry(one_node, t
 
 def test_a_task_that_keeps_dying_fails_the_job_after_the_most_restarts(one_node, tmp_path, data_dir):
     python = _python_that(tmp_path, "kill -KILL $$")
-    base = free_ports(2, consecutive=True)[0]
-    job_id = one_node.sbatch(SCRIPT, "--epochs", "1", "--slurm-port-base", str(base), "--data-dir", data_dir,
-                             "--output-dir", str(tmp_path / "out"),
-                             options=[*ONE_NODE, f"--output={tmp_path}/job-%j.out"], cwd=ROOT,
-                             env=one_node.job_env(MNIST_PYTHON=python, MNIST_MAX_RESTARTS="2"))
+    job_id = submit(one_node, tmp_path, *one_epoch(tmp_path, data_dir), options=ONE_NODE, MNIST_PYTHON=python,
+                    MNIST_MAX_RESTARTS="2")
     job, output, _ = watch(one_node, job_id, time.monotonic(), JOB_SECONDS)
     assert job["JobState"] == "FAILED" and job["Restarts"] == "0", output[-3000:]
     assert output.count("(a task lost); restarting it") == 2, output[-3000:]
@@ -225,8 +225,7 @@ def test_first_tasks_port_taken_ends_the_step_at_once_and_the_job_after_its_rest
     # Another program on the node holds task 0's port (bound; it accepts no connections).
     with socket.socket() as taken:
         taken.bind(("", base))
-        job_id = one_node.sbatch(SCRIPT, *args, options=[*ONE_NODE, f"--output={tmp_path}/job-%j.out"], cwd=ROOT,
-                                 env=one_node.job_env(MNIST_MAX_RESTARTS="1"))
+        job_id = submit(one_node, tmp_path, *args, options=ONE_NODE, MNIST_MAX_RESTARTS="1")
         sent = time.monotonic()
         try:
             job, output, exits = watch(one_node, job_id, sent, EXIT_SECONDS + CLUSTER_TIMEOUT, fail_on="Traceback")
