@@ -59,6 +59,8 @@ CROSS_DEVICE_OPS = ("nccl", "hierarchical-copy", "reduce-to-one")
 COMMUNICATIONS = ("auto", "ring", "nccl")
 # What each step's loss and accuracy are under multiworker: the worker's own, or all workers' (model.report_worker_means).
 STEP_METRICS = ("worker", "all")
+# The type the gradients travel in through the multi-worker all-reduce (model.all_reduce_in); float32 is theirs.
+ALLREDUCE_DTYPES = ("float32", "bfloat16", "float16")
 
 
 def _option(default, help_text, group, **extra):
@@ -125,6 +127,11 @@ class Config:
               "this worker's running means (worker, also when unset: no all-reduce a step) or all workers' (all: four "
               "all-reduces a step, 1.17x the step time with two CPU workers); each epoch's figures are all "
               "workers' either way", SPEED, choices=STEP_METRICS)
+
+    allreduce_dtype: str = _option(
+        "float32", "--strategy multiworker: the type the gradients are all-reduced in between workers; bfloat16 or "
+                   "float16 halve the bytes sent, and each worker casts the sum back to float32 for Adam's update "
+                   "(docs/performance.md, \"16-bit all-reduce\")", SPEED, choices=ALLREDUCE_DTYPES)
 
     output_dir: str = _option(".", "where training_checkpoints/, logs/, saved_model/, model.keras and results.json are written", OUTPUT)
     overwrite: bool = _option(False, "start afresh, replacing a finished or unfinished run already in --output-dir", OUTPUT)
@@ -199,6 +206,12 @@ def validate(cfg):
     if cfg.communication and cfg.strategy != "multiworker":
         raise UsageError(f"--communication works with --strategy multiworker only; "
                          f"{'use --cross-device-ops for mirrored' if cfg.strategy == 'mirrored' else 'drop it'}")
+    if cfg.allreduce_dtype != "float32" and cfg.strategy != "multiworker":
+        raise UsageError(f"--allreduce-dtype {cfg.allreduce_dtype} sets the all-reduce between workers, so it works "
+                         "with --strategy multiworker only; drop it")
+    if cfg.allreduce_dtype != "float32" and not cfg.fused_adam:
+        raise UsageError(f"--allreduce-dtype {cfg.allreduce_dtype} works through the fused Adam's gradient "
+                         "aggregator; drop --no-fused-adam or --allreduce-dtype")
     if cfg.step_metrics and cfg.strategy != "multiworker":
         raise UsageError("--step-metrics chooses between workers' figures, so it works with --strategy multiworker "
                          "only; drop it")

@@ -87,6 +87,7 @@ def results(cfg, strategy, *, parameters, global_batch, plan, train_images, trai
         "cross_device_ops": cfg.cross_device_ops or "default",
         "communication": cfg.communication or "default",
         "step_metrics": (cfg.step_metrics or "worker") if cfg.strategy == "multiworker" else None,
+        "allreduce_dtype": cfg.allreduce_dtype if cfg.strategy == "multiworker" else None,
         "mixed_precision": cfg.mixed_precision,
         "gpu_memory_growth": cfg.gpu_memory_growth,
     }

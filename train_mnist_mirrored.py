@@ -163,7 +163,7 @@ def run(cfg, preemption):
     with strategy.scope():
         model = compile_model(build_model(), steps_per_execution=cfg.steps_per_execution,
                               jit_compile=cfg.jit_compile, fused_adam=cfg.fused_adam, learning_rate=learning_rate,
-                              worker_step_metrics=cfg.worker_step_metrics)
+                              worker_step_metrics=cfg.worker_step_metrics, allreduce_dtype=cfg.allreduce_dtype)
 
     # Step 4: training, from the first image the backup had not trained.
     if plan.resumed_after_images:

@@ -2,12 +2,14 @@
 
     python benchmarks/scaling.py --data-dir DIR            # per-replica batch 64 and 256, 2 epochs, 2 rounds
     python benchmarks/scaling.py --data-dir DIR --quick    # batch 64, 1 epoch of at most 100 steps, 2 rounds
+    python benchmarks/scaling.py --data-dir DIR --allreduce-dtype bfloat16   # and two workers all-reducing in it
 
 Each configuration runs train_mnist_mirrored.py itself, in fresh processes, on a prepared data dir:
 
 - 1 replica: `--strategy mirrored` on the first core;
 - 1 worker: `--strategy multiworker` with a one-worker TF_CONFIG, on the first core;
-- 2 workers: two processes on loopback, one core each, with the same per-replica batch (so twice the global batch).
+- 2 workers: two processes on loopback, one core each, with the same per-replica batch (so twice the global batch);
+- with --allreduce-dtype, 2 workers again, all-reducing their gradients in that type, in the same rounds.
 
 Every process is pinned to its core (sched_setaffinity, as `taskset -c` does) and told to use one thread for
 TensorFlow's op pools (TF_NUM_INTRAOP_THREADS=1, TF_NUM_INTEROP_THREADS=1): pinned alone, TensorFlow still sizes
@@ -44,6 +46,16 @@ ONE_THREAD = {"TF_NUM_INTRAOP_THREADS": "1", "TF_NUM_INTEROP_THREADS": "1"}
 QUICK = {"epochs": 1, "steps_per_epoch": 100, "batches": "64", "rounds": 2}
 RUN_TIMEOUT_S = 1800
 RATES = ("images_per_s", "images_per_cpu_s")  # wall (what a user waits for), CPU (what load blurs less)
+# Bytes sent over loopback, where the workers' all-reduce runs: the whole run's, start-up and evaluation included.
+LOOPBACK_TX = "/sys/class/net/lo/statistics/tx_bytes"
+
+
+def loopback_bytes():
+    try:
+        with open(LOOPBACK_TX) as f:
+            return int(f.read())
+    except OSError:
+        return None
 
 
 def free_ports(count):
@@ -63,10 +75,15 @@ def printed_figures(stdout):
     return json.JSONDecoder().raw_decode(stdout, start)[0]
 
 
+def configurations(allreduce_dtype):
+    """The configurations to run: the three, and with `allreduce_dtype` two workers all-reducing in it too."""
+    return CONFIGURATIONS + ((f"2 workers, {allreduce_dtype}",) if allreduce_dtype else ())
+
+
 def run_configuration(name, args, batch, work_dir):
     """Runs one configuration in fresh processes; returns its figures."""
     cores = sorted(os.sched_getaffinity(0))
-    workers = 2 if name == "2 workers" else 1
+    workers = 2 if name.startswith("2 workers") else 1
     output_dir = tempfile.mkdtemp(prefix="run-", dir=work_dir)
     command = [sys.executable, ENTRYPOINT, "--data-dir", args.data_dir, "--output-dir", output_dir,
                "--epochs", str(args.epochs), "--batch-size-per-replica", str(batch)]
@@ -74,8 +91,11 @@ def run_configuration(name, args, batch, work_dir):
         command += ["--steps-per-epoch", str(args.steps_per_epoch)]
     if name != "1 replica":
         command += ["--strategy", "multiworker"]
+    if name.startswith("2 workers, "):
+        command += ["--allreduce-dtype", name.split(", ")[1]]
     cluster = {"worker": [f"127.0.0.1:{port}" for port in free_ports(workers)]}
     load = os.getloadavg()[0]
+    sent_before = loopback_bytes()
     procs = []
     for index in range(workers):
         env = {**os.environ, **ONE_THREAD, "TF_CPP_MIN_LOG_LEVEL": "2"}
@@ -90,13 +110,17 @@ def run_configuration(name, args, batch, work_dir):
     finally:
         for proc in procs:
             proc.kill()
+    sent_after = loopback_bytes()
     for proc, (stdout, stderr) in zip(procs, outputs):
         if proc.returncode != 0:
             raise RuntimeError(f"{name} (batch {batch}) exited {proc.returncode}:\n{stderr[-3000:]}")
     figures = [printed_figures(stdout) for stdout, _ in outputs]
     chief = figures[0]
     cpu = sum(f["train_cpu_seconds"] for f in figures)
+    steps = chief["train_images"] / chief["global_batch_size"]
+    sent = None if sent_before is None or workers == 1 else (sent_after - sent_before) / steps
     return {"images_per_s": chief["train_images_per_s"], "images_per_cpu_s": chief["train_images"] / cpu,
+            "loopback_bytes_per_step": sent,
             "train_images": chief["train_images"], "global_batch": chief["global_batch_size"],
             "cpu_seconds": [f["train_cpu_seconds"] for f in figures], "load_average": load,
             "cores": [cores[index % len(cores)] for index in range(workers)]}
@@ -118,21 +142,31 @@ def summarize(rounds, args):
             "efficiency": two["images_per_s"] / (2 * single["images_per_s"]),
             "cpu_efficiency": two["images_per_cpu_s"] / single["images_per_cpu_s"],
         }
+        for name in set(medians) - set(CONFIGURATIONS):  # two workers all-reducing in another type
+            results["batches"][batch][f"efficiency, {name}"] = medians[name]["images_per_s"] / (2 * single["images_per_s"])
+            results["batches"][batch][f"cpu_efficiency, {name}"] = (medians[name]["images_per_cpu_s"]
+                                                                     / single["images_per_cpu_s"])
     return results
 
 
 def print_table(results):
-    print(f"\n{'per-replica batch':>17} {'configuration':<10} {'global':>6} {'images/s':>9} {'images/CPU-s':>13} "
+    print(f"\n{'per-replica batch':>17} {'configuration':<20} {'global':>6} {'images/s':>9} {'images/CPU-s':>13} "
           f"{'load avg':>9}  rounds (images/s)")
     for batch, figures in results["batches"].items():
-        for name in CONFIGURATIONS:
+        for name in figures["runs"]:
             runs, median = figures["runs"][name], figures["medians"][name]
             loads = "/".join(f"{r['load_average']:.1f}" for r in runs)
-            print(f"{batch:>17} {name:<10} {runs[0]['global_batch']:>6} {median['images_per_s']:>9,.0f} "
+            sent = [r["loopback_bytes_per_step"] for r in runs if r.get("loopback_bytes_per_step")]
+            print(f"{batch:>17} {name:<20} {runs[0]['global_batch']:>6} {median['images_per_s']:>9,.0f} "
                   f"{median['images_per_cpu_s']:>13,.0f} {loads:>9}  "
-                  + ", ".join(f"{r['images_per_s']:,.0f}" for r in runs))
+                  + ", ".join(f"{r['images_per_s']:,.0f}" for r in runs)
+                  + (f"  loopback {statistics.median(sent) / 1e6:.2f} MB a step" if sent else ""))
         print(f"{batch:>17} 1 worker / 1 replica: {figures['one_worker_ratio']:.2f} (CPU {figures['one_worker_cpu_ratio']:.2f});"
               f" 2-worker efficiency: {figures['efficiency']:.2f} (CPU {figures['cpu_efficiency']:.2f})")
+        for name in figures["runs"]:
+            if f"efficiency, {name}" in figures:
+                print(f"{batch:>17} {name}: efficiency {figures[f'efficiency, {name}']:.2f} "
+                      f"(CPU {figures[f'cpu_efficiency, {name}']:.2f})")
     print(f"\nmedians of {results['rounds']} alternated rounds, {results['epochs']} epoch(s) each"
           + (f" of at most {results['steps_per_epoch']} steps" if results["steps_per_epoch"] else ""))
 
@@ -146,6 +180,8 @@ def main(argv=None):
     parser.add_argument("--rounds", type=int, default=2, help="rounds of every configuration (at least 2 for a median)")
     parser.add_argument("--quick", action="store_true",
                         help="for development: batch 64, 1 epoch of at most 100 steps, 2 rounds")
+    parser.add_argument("--allreduce-dtype", choices=("bfloat16", "float16"), default=None,
+                        help="also run two workers that all-reduce their gradients in this type, side by side")
     parser.add_argument("--output", default=os.path.join(ROOT, "benchmarks", "scaling.json"),
                         help="JSON file for the figures")
     if parser.parse_args(argv).quick:
@@ -165,15 +201,16 @@ def main(argv=None):
         print(f"error: {err}", file=sys.stderr)
         return EXIT_BAD_INPUT
 
-    rounds = {batch: {name: [] for name in CONFIGURATIONS} for batch in batches}
+    names = configurations(args.allreduce_dtype)
+    rounds = {batch: {name: [] for name in names} for batch in batches}
     with tempfile.TemporaryDirectory(prefix="mnist-scaling-") as work_dir:
         for round_ in range(args.rounds):
-            order = CONFIGURATIONS if round_ % 2 == 0 else CONFIGURATIONS[::-1]
+            order = names if round_ % 2 == 0 else names[::-1]
             for batch in batches:
                 for name in order:
                     figures = run_configuration(name, args, batch, work_dir)
                     rounds[batch][name].append(figures)
-                    print(f"round {round_ + 1}  batch {batch:>4}  {name:<10} {figures['images_per_s']:>9,.0f} images/s "
+                    print(f"round {round_ + 1}  batch {batch:>4}  {name:<20} {figures['images_per_s']:>9,.0f} images/s "
                           f"{figures['images_per_cpu_s']:>9,.0f} images/CPU-s  load {figures['load_average']:.1f}",
                           flush=True)
     results = summarize(rounds, args)

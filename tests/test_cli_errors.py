@@ -60,8 +60,12 @@ def test_bad_numbers_are_refused(flags, words, quick_args, tmp_path, capsys):
     (["--communication", "ring"], ["--communication", "multiworker", "--cross-device-ops"]),
     (["--cross-device-ops", "nccl", "--cpu-replicas", "2"], ["nccl", "--cpu-replicas", "reduce-to-one"]),
     (["--step-metrics", "all"], ["--step-metrics", "multiworker"]),
+    (["--allreduce-dtype", "bfloat16"], ["--allreduce-dtype bfloat16", "multiworker"]),
+    (["--allreduce-dtype", "float16", "--strategy", "multiworker", "--no-fused-adam",
+      "--cluster-timeout", "1"], ["--allreduce-dtype float16", "--no-fused-adam"]),
 ], ids=["warmup-without-scale", "warmup-1", "cross-device-ops-not-mirrored", "communication-not-multiworker",
-        "nccl-on-cpu-replicas", "step-metrics-not-multiworker"])
+        "nccl-on-cpu-replicas", "step-metrics-not-multiworker", "allreduce-dtype-not-multiworker",
+        "allreduce-dtype-without-fused-adam"])
 def test_option_combinations_are_refused(flags, words, quick_args, tmp_path, monkeypatch, capsys):
     monkeypatch.delenv("TF_CONFIG", raising=False)
     rc = train_mnist_mirrored.main(quick_args(*flags))

@@ -1,5 +1,5 @@
 """Real cross-replica training: two logical CPU replicas average gradients (with each all-reduce that runs on
-CPUs), two workers train over TF_CONFIG."""
+CPUs, and the gradients all-reduced in 16 bits), two workers train over TF_CONFIG, all-reducing in bfloat16."""
 
 import json
 import os
@@ -51,6 +51,25 @@ ONE_STEP_SCRIPT = textwrap.dedent("""
         "adam_two": one_step(two, keras.optimizers.Adam, 1e-3),
         **{f"sgd_two_{name}": one_step(strategy, keras.optimizers.SGD, 0.5) for name, strategy in two_by.items()},
     }
+
+    # --allreduce-dtype's aggregator on two replicas: each replica's gradient cast, summed in that type, cast back.
+    from model import all_reduce_in
+    grads = rng.standard_normal((2, 3, 5)).astype(np.float32)
+    with two.scope():
+        var = tf.Variable(tf.zeros((3, 5)))
+
+    def summed(dtype):
+        def on_replica():
+            grad = tf.gather(tf.constant(grads), tf.distribute.get_replica_context().replica_id_in_sync_group)
+            (total, variable), = all_reduce_in(dtype)([(grad, var)])
+            assert variable is var and total.dtype == tf.float32
+            return total
+        return two.experimental_local_results(two.run(on_replica))[0].numpy().tolist()
+
+    out["allreduce"] = {dtype: summed(dtype) for dtype in ("float32", "bfloat16", "float16")}
+    out["allreduce_expected"] = {
+        dtype: tf.cast(tf.cast(grads[0], dtype) + tf.cast(grads[1], dtype), tf.float32).numpy().tolist()
+        for dtype in ("float32", "bfloat16", "float16")}
     json.dump(out, open(sys.argv[1], "w"))
 """)
 
@@ -77,12 +96,18 @@ def test_two_replicas_average_gradients_like_one(tmp_path):
     # Each all-reduce that runs on CPUs gives TensorFlow's default step.
     for name in ("reduce-to-one", "hierarchical-copy"):
         assert _max_abs_diff(w["sgd_two"], w[f"sgd_two_{name}"]) < 1e-5, name
+    # --allreduce-dtype: the sum is the sum of the gradients cast to that type, back in float32; in 16 bits it
+    # differs from float32's by the rounding, and only by that.
+    for dtype, expected in w["allreduce_expected"].items():
+        assert w["allreduce"][dtype] == expected, dtype
+    assert 0 < _max_abs_diff([w["allreduce"]["bfloat16"]], [w["allreduce"]["float32"]]) < 0.05
 
 
 def test_two_workers_on_loopback(tmp_path, data_dir):
     cluster = {"worker": [f"127.0.0.1:{port}" for port in free_ports(2)]}
     output_dir = str(tmp_path / "out")
-    workers = [Worker(["--strategy", "multiworker", "--communication", "ring", *smoke_args(data_dir, output_dir)],
+    workers = [Worker(["--strategy", "multiworker", "--communication", "ring", "--allreduce-dtype", "bfloat16",
+                       *smoke_args(data_dir, output_dir)],
                       {"TF_CONFIG": json.dumps({"cluster": cluster, "task": {"type": "worker", "index": index}})},
                       tmp_path, f"tmp{index}")
                for index in range(2)]
@@ -95,6 +120,7 @@ def test_two_workers_on_loopback(tmp_path, data_dir):
     assert results["replicas"] == 2 and results["strategy"] == "multiworker"
     assert results["communication"] == "ring" and results["cross_device_ops"] == "default"
     assert results["step_metrics"] == "worker"  # the default under multiworker (tests/test_worker_input.py)
+    assert results["allreduce_dtype"] == "bfloat16"
     assert results["eval_accuracy_checkpoint"] == results["eval_accuracy_unreplicated"] == results["eval_accuracy_replicated"]
     # Only the chief's outputs are in --output-dir: no worker's temporary copies, and no backup once finished.
     assert sorted(os.listdir(output_dir)) == ["logs", "model.keras", "results.json", "saved_model", "training_checkpoints"]

@@ -1,5 +1,5 @@
-"""The scaling benchmark runs its three configurations end to end on tiny data, and its ratios agree with its
-figures."""
+"""The scaling benchmark runs its three configurations end to end on tiny data, and two workers all-reducing in
+bfloat16 beside them; its ratios agree with its figures. The all-reduce benchmark runs."""
 
 import json
 import os
@@ -16,21 +16,27 @@ def _bench(*args):
 
 def test_scaling_benchmark_writes_consistent_figures(tmp_path, data_dir):
     out = tmp_path / "scaling.json"
-    proc = _bench("--data-dir", data_dir, "--quick", "--rounds", "1", "--output", str(out))
+    proc = _bench("--data-dir", data_dir, "--quick", "--rounds", "1", "--allreduce-dtype", "bfloat16",
+                  "--output", str(out))
     assert proc.returncode == 0, proc.stderr[-3000:]
     figures = json.loads(out.read_text())
     assert figures["rounds"] == 1 and figures["epochs"] == 1 and figures["steps_per_epoch"] == 100  # --quick's
     batch = figures["batches"]["64"]
     runs, medians = batch["runs"], batch["medians"]
-    assert list(runs) == ["1 replica", "1 worker", "2 workers"]
+    assert list(runs) == ["1 replica", "1 worker", "2 workers", "2 workers, bfloat16"]
     for name, measured in runs.items():
         (run,) = measured
         assert run["images_per_s"] > 0 and run["images_per_cpu_s"] > 0 and run["load_average"] >= 0
         # Images per CPU-second count every process of the configuration.
         assert abs(run["images_per_cpu_s"] - run["train_images"] / sum(run["cpu_seconds"])) < 1e-6 * run["images_per_cpu_s"]
     # Two workers train twice the global batch, each process pinned to a core of its own where there are two.
-    assert [runs[name][0]["global_batch"] for name in runs] == [64, 64, 128]
+    assert [runs[name][0]["global_batch"] for name in runs] == [64, 64, 128, 128]
     assert len(runs["2 workers"][0]["cpu_seconds"]) == 2
+    # What went over loopback, measured: gradients in bfloat16 are half the bytes of float32's.
+    sent = {name: runs[name][0]["loopback_bytes_per_step"] for name in ("2 workers", "2 workers, bfloat16")}
+    assert 0 < sent["2 workers, bfloat16"] < sent["2 workers"], sent
+    two16 = medians["2 workers, bfloat16"]
+    assert abs(batch["efficiency, 2 workers, bfloat16"] - two16["images_per_s"] / (2 * medians["1 replica"]["images_per_s"])) < 1e-9
     if len(os.sched_getaffinity(0)) >= 2:
         assert len(set(runs["2 workers"][0]["cores"])) == 2
     single = medians["1 replica"]
@@ -39,6 +45,17 @@ def test_scaling_benchmark_writes_consistent_figures(tmp_path, data_dir):
     assert abs(batch["cpu_efficiency"] - medians["2 workers"]["images_per_cpu_s"] / single["images_per_cpu_s"]) < 1e-9
     # The printed table carries the same headline.
     assert f"2-worker efficiency: {batch['efficiency']:.2f} (CPU {batch['cpu_efficiency']:.2f})" in proc.stdout
+
+
+def test_allreduce_benchmark_prints_each_case():
+    proc = subprocess.run([sys.executable, "benchmarks/allreduce.py", "--repeats", "3", "--rounds", "1"], cwd=ROOT,
+                          env=subprocess_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = {line[:20].strip(): line[20:].split() for line in proc.stdout.splitlines()
+            if line.startswith(("gradients", "4 bytes"))}
+    assert set(rows) == {"gradients, float32", "gradients, bfloat16", "4 bytes, float32"}
+    assert rows["gradients, float32"][0] == "1,388,584" and rows["gradients, bfloat16"][0] == "694,292"
+    assert all(float(row[1]) > 0 and float(row[2]) > 0 for row in rows.values())
 
 
 def test_scaling_benchmark_refuses_a_bad_batch_list(tmp_path, data_dir):

@@ -1,0 +1,117 @@
+"""The multi-worker all-reduce alone: two workers on loopback, one core and one thread each, all-reducing a tensor
+again and again in a `tf.function`, as the gradients are all-reduced at every training step.
+
+    python benchmarks/allreduce.py                 # the model's 347,146 gradients in float32 and bfloat16, and 4 bytes
+    python benchmarks/allreduce.py --repeats 50    # fewer, for a quick look
+
+For each case it prints the bytes of the tensor, and per all-reduce the wall milliseconds and the CPU
+milliseconds of each worker (its whole process, TensorFlow's threads included), medians over rounds. Beside a
+training step's time (benchmarks/scaling.py), this says how much of what a second worker adds is the all-reduce
+itself (docs/performance.md, "16-bit all-reduce").
+"""
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import textwrap
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PARAMETERS = 347_146  # the tutorial's CNN (tests/test_units.py counts them)
+CASES = (("gradients, float32", PARAMETERS, "float32"), ("gradients, bfloat16", PARAMETERS, "bfloat16"),
+         ("4 bytes, float32", 1, "float32"))
+ONE_THREAD = {"TF_NUM_INTRAOP_THREADS": "1", "TF_NUM_INTEROP_THREADS": "1", "TF_CPP_MIN_LOG_LEVEL": "2"}
+TIMEOUT_S = 600
+
+# Runs in each worker: prints {case: [(wall s, CPU s) per round]} as JSON.
+WORKER = textwrap.dedent("""
+    import json, sys, time
+    import tensorflow as tf
+
+    cases, repeats, rounds = json.loads(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+    strategy = tf.distribute.MultiWorkerMirroredStrategy()
+    out = {}
+    for name, size, dtype in cases:
+        @tf.function
+        def all_reduce_many():
+            def on_replica():
+                # Made in the replica function, so that it is on the replica's device (callbacks._any_worker).
+                x = tf.ones([size], dtype)
+                context = tf.distribute.get_replica_context()
+                for _ in range(repeats):  # unrolled: each all-reduce its own op, as each step's is
+                    x = context.all_reduce(tf.distribute.ReduceOp.SUM, x) * tf.constant(0.5, dtype)
+                return x
+            return strategy.run(on_replica)
+
+        all_reduce_many()  # traced, and the collective's group formed
+        out[name] = []
+        for _ in range(rounds):
+            wall, cpu = time.perf_counter(), time.process_time()
+            all_reduce_many()
+            out[name].append(((time.perf_counter() - wall) / repeats, (time.process_time() - cpu) / repeats))
+    print(json.dumps(out))
+""")
+
+
+def free_ports(count):
+    sockets = [socket.socket() for _ in range(count)]
+    try:
+        for s in sockets:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
+
+
+def measure(cases, repeats, rounds):
+    """{case: {"wall_ms": ..., "cpu_ms": [worker 0, worker 1]}}, medians over rounds, per all-reduce."""
+    cluster = {"worker": [f"127.0.0.1:{port}" for port in free_ports(2)]}
+    cores = sorted(os.sched_getaffinity(0))
+    procs = []
+    for index in range(2):
+        env = {**os.environ, **ONE_THREAD, "PYTHONPATH": ROOT,
+               "TF_CONFIG": json.dumps({"cluster": cluster, "task": {"type": "worker", "index": index}})}
+        core = cores[index % len(cores)]
+        procs.append(subprocess.Popen(
+            [sys.executable, "-c", WORKER, json.dumps(cases), str(repeats), str(rounds)], env=env, text=True,
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, preexec_fn=lambda core=core: os.sched_setaffinity(0, {core})))
+    try:
+        outputs = [proc.communicate(timeout=TIMEOUT_S) for proc in procs]
+    finally:
+        for proc in procs:
+            proc.kill()
+    for proc, (_, stderr) in zip(procs, outputs):
+        if proc.returncode != 0:
+            raise RuntimeError(f"a worker exited {proc.returncode}:\n{stderr[-3000:]}")
+    figures = [json.loads(stdout.strip().splitlines()[-1]) for stdout, _ in outputs]
+    return {name: {"wall_ms": 1000 * statistics.median(wall for wall, _ in figures[0][name]),
+                   "cpu_ms": [1000 * statistics.median(cpu for _, cpu in worker[name]) for worker in figures]}
+            for name, _, _ in cases}
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--repeats", type=int, default=200, help="all-reduces in one timed call")
+    parser.add_argument("--rounds", type=int, default=3, help="timed calls; the medians are printed")
+    args = parser.parse_args(argv)
+    if args.repeats < 1 or args.rounds < 1:
+        print("error: --repeats and --rounds must be at least 1; e.g. --repeats 100 --rounds 3", file=sys.stderr)
+        return 2
+    results = measure(CASES, args.repeats, args.rounds)
+    print(f"{'all-reduce of':<20} {'bytes':>10} {'wall ms':>8} {'CPU ms, worker 0 / 1':>22}")
+    for name, size, dtype in CASES:
+        bytes_ = size * (4 if dtype == "float32" else 2)
+        figures = results[name]
+        print(f"{name:<20} {bytes_:>10,} {figures['wall_ms']:>8.2f} "
+              f"{figures['cpu_ms'][0]:>10.2f} / {figures['cpu_ms'][1]:.2f}")
+    print(f"\ntwo workers on loopback, one core and one thread each; medians of {args.rounds} calls of "
+          f"{args.repeats} all-reduces")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
