@@ -13,11 +13,12 @@ itself (docs/performance.md, "16-bit all-reduce").
 import argparse
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
 import textwrap
+
+from scaling import free_ports  # benchmarks/ is this script's folder, first on sys.path
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PARAMETERS = 347_146  # the tutorial's CNN (tests/test_units.py counts them)
@@ -54,17 +55,6 @@ WORKER = textwrap.dedent("""
             out[name].append(((time.perf_counter() - wall) / repeats, (time.process_time() - cpu) / repeats))
     print(json.dumps(out))
 """)
-
-
-def free_ports(count):
-    sockets = [socket.socket() for _ in range(count)]
-    try:
-        for s in sockets:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in sockets]
-    finally:
-        for s in sockets:
-            s.close()
 
 
 def measure(cases, repeats, rounds):

@@ -248,6 +248,15 @@ def started(kind, *args, **kwargs):
         skip_unless_ci(f"{kind.__name__} did not start: {getattr(err, 'stderr', None) or err}")
 
 
+def apply_env(monkeypatch, variables):
+    """Sets each of `variables` in the environment, or unsets it where its value is None."""
+    for name, value in variables.items():
+        if value is None:
+            monkeypatch.delenv(name, raising=False)
+        else:
+            monkeypatch.setenv(name, value)
+
+
 def assert_refused_in_one_line(status, stderr, words, output_dir):
     """Bad input: exit 2 and one `error:` line on stderr holding each of `words`, and nothing written."""
     lines = stderr.strip().splitlines()

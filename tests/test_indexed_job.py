@@ -22,8 +22,8 @@ import yaml
 import config
 import netns
 import train_mnist_mirrored
-from conftest import (ROOT, Worker, assert_one_port_warning, assert_refused_in_one_line, backed_up_images, finish,
-                      images_at, skip_unless_ci, started, subprocess_env, wait_for_backup_after)
+from conftest import (ROOT, Worker, apply_env, assert_one_port_warning, assert_refused_in_one_line, backed_up_images,
+                      finish, images_at, skip_unless_ci, started, subprocess_env, wait_for_backup_after)
 
 MANIFEST = os.path.join(ROOT, "deploy", "indexed-job.yaml")
 ENTRYPOINT = ["python", "train_mnist_mirrored.py"]
@@ -147,11 +147,7 @@ def pod_env(monkeypatch):
             monkeypatch.delenv(name)
 
     def enter(**changes):
-        for name, value in {**ENV, "JOB_COMPLETION_INDEX": "1", **changes}.items():
-            if value is None:
-                monkeypatch.delenv(name, raising=False)
-            else:
-                monkeypatch.setenv(name, value)
+        apply_env(monkeypatch, {**ENV, "JOB_COMPLETION_INDEX": "1", **changes})
     return enter
 
 

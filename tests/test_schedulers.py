@@ -11,7 +11,8 @@ import config
 import worker_group
 import terminal
 import train_mnist_mirrored
-from conftest import Worker, assert_one_port_warning, assert_refused_in_one_line, finish, free_ports, smoke_args
+from conftest import (Worker, apply_env, assert_one_port_warning, assert_refused_in_one_line, finish, free_ports,
+                      smoke_args)
 
 CHIEF_OUTPUTS = ["logs", "model.keras", "results.json", "saved_model", "training_checkpoints"]
 
@@ -149,11 +150,7 @@ def slurm_step(monkeypatch, tmp_path, capsys):
     monkeypatch.setenv("PATH", _no_nvidia_smi())
 
     def enter(rank=0, tasks=2, **changes):
-        for name, value in {**srun_env(rank, tasks), **changes}.items():
-            if value is None:
-                monkeypatch.delenv(name, raising=False)
-            else:
-                monkeypatch.setenv(name, value)
+        apply_env(monkeypatch, {**srun_env(rank, tasks), **changes})
     return enter
 
 
