@@ -8,7 +8,10 @@ project's default run, any `--variants` (the project with one change undone), an
 round of a pipeline trains a fresh model `--epochs` full epochs with `fit`; its time is the wall time of
 `fit`, first epoch, tracing and callbacks included. The ceiling is the same train step looping inside one
 tf.function over batches already in memory: no input pipeline, no callbacks, no per-step Python, tracing
-excluded. The headline is the project's median over rounds divided by the ceiling's median.
+excluded. The headline is the project's median over rounds divided by the ceiling's median. Beside it, with
+two epochs or more, each pipeline's rate over its epochs after the first against the ceiling's, and its fixed
+cost: the seconds a round spends beyond its epochs at that rate (tracing, the first execution, the end of `fit`),
+which decide a short round on a fast core.
 
 Wall time suffers when the machine is shared: a virtual machine's host may run other guests on its cores
 (steal time). So each round also reports images per CPU-second of its own process (all threads), which stolen
@@ -94,6 +97,28 @@ def _cpu_model():
 
 # ---------------------------------------------------------------- one round of each pipeline
 
+class EpochEnds(keras.callbacks.Callback):
+    """When each epoch of `fit` ended, after every other callback's work (it comes last): an epoch's time is
+    from the previous one's end, the first's from when `fit` was called."""
+
+    def __init__(self):
+        super().__init__()
+        self.start, self.ends = time.perf_counter(), []
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.ends.append(time.perf_counter())
+
+    def epoch_seconds(self):
+        return [end - start for start, end in zip([self.start, *self.ends], self.ends)]
+
+
+def _timed_fit(model, train, cbs, **fit_args):
+    """(wall seconds, CPU seconds, each epoch's seconds) of `model.fit`."""
+    clock = EpochEnds()
+    _, wall, cpu = _timed(lambda: model.fit(train, callbacks=[*cbs, clock], **fit_args))
+    return wall, cpu, clock.epoch_seconds()
+
+
 def tutorial_round(datasets, info, cfg, strategy, epochs, work_dir):
     """The tutorial's code: its pipeline, its compile, `fit` with its four callbacks."""
     global_batch = cfg.batch_size_per_replica * strategy.num_replicas_in_sync
@@ -107,8 +132,8 @@ def tutorial_round(datasets, info, cfg, strategy, epochs, work_dir):
     # `fit` with its default progress bar, as the tutorial and the default run call it (the round's stdout goes to
     # a pipe): verbose=0 measured 20-25 % slower here (3 epochs, A B A B: 7,988 and 8,335 against 10,188 and
     # 10,678 images/s), so measuring with it would not measure the run users get.
-    _, wall, cpu = _timed(lambda: model.fit(train, epochs=epochs, callbacks=cbs))
-    return info.splits["train"].num_examples * epochs, wall, cpu, 0.0
+    wall, cpu, epoch_seconds = _timed_fit(model, train, cbs, epochs=epochs)
+    return info.splits["train"].num_examples * epochs, wall, cpu, 0.0, epoch_seconds
 
 
 def tfds_stream(datasets, cfg, global_batch, epochs, steps):
@@ -145,8 +170,8 @@ def project_round(datasets, info, cfg, strategy, epochs, work_dir, variant):
     cbs = callbacks.make_callbacks(cfg, log_dir=os.path.join(work_dir, "logs"), checkpoint_dir=os.path.join(work_dir, "ckpt"),
                                    backup_dir=os.path.join(work_dir, "backup"),
                                    plan=resume.Plan(resume.Settings.of(cfg, num_examples=num_train, global_batch=global_batch)))
-    _, wall, cpu = _timed(lambda: model.fit(train, epochs=epochs, steps_per_epoch=steps, callbacks=cbs))  # as above
-    return epochs * data.images_per_epoch(steps, global_batch, num_train), wall, cpu, read
+    wall, cpu, epoch_seconds = _timed_fit(model, train, cbs, epochs=epochs, steps_per_epoch=steps)  # as above
+    return epochs * data.images_per_epoch(steps, global_batch, num_train), wall, cpu, read, epoch_seconds
 
 
 def ceiling_round(info, cfg, strategy, epochs):
@@ -166,8 +191,21 @@ def ceiling_round(info, cfg, strategy, epochs):
             strategy.run(model.train_step, args=((images[i], labels[i]),))
 
     train_epoch()  # trace and warm up outside the timing
-    _, wall, cpu = _timed(lambda: [train_epoch() for _ in range(epochs)])
-    return full * global_batch * epochs, wall, cpu, 0.0
+    epoch_seconds, wall, cpu = _timed(lambda: [_timed(train_epoch)[1] for _ in range(epochs)])
+    return full * global_batch * epochs, wall, cpu, 0.0, epoch_seconds
+
+
+def split_fixed_cost(images, wall, epoch_seconds):
+    """The round's rate over its epochs after the first (None with one epoch), and its fixed cost: the wall
+    seconds beyond as many epochs at that rate (tracing and the first execution's graph optimisation, the end
+    of `fit`). The ceiling, timed after its warm-up, has none; on a fast core the fixed cost of a short run
+    weighs more than any per-step difference."""
+    later = epoch_seconds[1:]
+    if not later:
+        return {"steady_images_per_s": None, "fixed_seconds": None}
+    steady_epoch = statistics.median(later)
+    return {"steady_images_per_s": images / len(epoch_seconds) / steady_epoch,
+            "fixed_seconds": wall - len(epoch_seconds) * steady_epoch}
 
 
 def measure_one(name, data_dir, epochs):
@@ -225,20 +263,32 @@ def summarize(rounds, args):
             results[f"{prefix}ratio_to_{baseline}"] = {name: round(m / medians[baseline], 3) for name, m in medians.items()}
     results["steal_percent"] = {name: [r["steal_percent"] for r in measured] for name, measured in rounds.items()}
     results["read_seconds"] = {name: [round(r["read_seconds"], 2) for r in measured] for name, measured in rounds.items()}
+    if args.epochs > 1:  # the split needs epochs after the first
+        steady = {name: statistics.median(r["steady_images_per_s"] for r in measured) for name, measured in rounds.items()}
+        results["median_steady_images_per_s"] = {name: round(rate, 1) for name, rate in steady.items()}
+        results["steady_ratio_to_ceiling"] = {name: round(rate / steady["ceiling"], 3) for name, rate in steady.items()}
+        results["fixed_seconds"] = {name: [round(r["fixed_seconds"], 2) for r in measured] for name, measured in rounds.items()}
     return results
 
 
 def print_table(results):
+    split = "steady_ratio_to_ceiling" in results
     print(f"\n{'pipeline':<22} {'images/s':>9} {'x ceiling':>10} {'x tutorial':>11} {'images/CPU-s':>13} "
-          f"{'x ceiling':>10} {'read s':>7} {'steal %':>8}")
+          f"{'x ceiling':>10} {'read s':>7} {'steal %':>8}" + (f" {'later epochs x ceiling':>23} {'fixed s':>8}" if split else ""))
     for name, wall in results["median_images_per_s"].items():
         steal = [s for s in results["steal_percent"][name] if s is not None]
+        later = (f" {results['steady_ratio_to_ceiling'][name]:>23.3f} {statistics.median(results['fixed_seconds'][name]):>8.2f}"
+                 if split else "")
         print(f"{name:<22} {wall:>9.0f} {results['ratio_to_ceiling'][name]:>10.3f} "
               f"{results['ratio_to_tutorial'][name]:>11.2f} {results['median_images_per_cpu_s'][name]:>13.0f} "
               f"{results['cpu_ratio_to_ceiling'][name]:>10.3f} {statistics.median(results['read_seconds'][name]):>7.2f} "
-              f"{statistics.median(steal) if steal else float('nan'):>8.1f}")
+              f"{statistics.median(steal) if steal else float('nan'):>8.1f}" + later)
     print(f"\nproject: {results['ratio_to_ceiling']['project']:.3f} of the compute ceiling "
           f"(median of {results['rounds']} rounds, {results['epochs_per_round']} epochs each, first epoch included)")
+    if split:
+        print(f"project's epochs after the first: {results['steady_ratio_to_ceiling']['project']:.3f} of the ceiling's; "
+              f"its fixed cost: {statistics.median(results['fixed_seconds']['project']):.2f} s a run (tracing, the first "
+              f"execution, the end of fit), which the ceiling, timed after its warm-up, does not pay")
 
 
 def main(argv=None):
@@ -256,9 +306,9 @@ def main(argv=None):
         parser.set_defaults(**QUICK)  # defaults only: --epochs or --rounds given beside --quick still win
     args = parser.parse_args(argv)
     if args.one:
-        images, wall, cpu, read = measure_one(args.one, args.data_dir, args.epochs)
+        images, wall, cpu, read, epoch_seconds = measure_one(args.one, args.data_dir, args.epochs)
         print(RESULT_MARK + json.dumps({"images_per_s": images / wall, "images_per_cpu_s": images / cpu,
-                                        "read_seconds": read}))
+                                        "read_seconds": read, **split_fixed_cost(images, wall, epoch_seconds)}))
         return EXIT_OK
     try:
         names = args.variants.split(",")

@@ -1,6 +1,7 @@
 """The throughput benchmark runs end to end on tiny data and writes figures that agree with each other."""
 
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -15,12 +16,12 @@ def _bench(*args):
 
 def test_benchmark_writes_sane_figures(tmp_path, idx_dir):
     out = tmp_path / "bench.json"
-    proc = _bench("--idx-dir", idx_dir, "--quick", "--epochs", "1", "--variants", "project,autotune",
+    proc = _bench("--idx-dir", idx_dir, "--quick", "--epochs", "2", "--variants", "project,autotune",
                   "--output", str(out))
     assert proc.returncode == 0, proc.stderr[-3000:]
     figures = json.loads(out.read_text())
     names = {"tutorial", "project", "autotune", "ceiling"}
-    assert figures["rounds"] == 2 and figures["epochs_per_round"] == 1  # --quick's rounds, --epochs given after it
+    assert figures["rounds"] == 2 and figures["epochs_per_round"] == 2  # --quick's rounds, --epochs given after it
     for rates_key, prefix in (("images_per_s", ""), ("images_per_cpu_s", "cpu_")):
         assert set(figures[rates_key]) == names
         for rates in figures[rates_key].values():
@@ -40,6 +41,23 @@ def test_benchmark_writes_sane_figures(tmp_path, idx_dir):
     assert figures["cpu_cores"] >= 1 and figures["cpu_model"]
     # The printed headline carries the same ratio.
     assert f"project: {figures['ratio_to_ceiling']['project']:.3f} of the compute ceiling" in proc.stdout
+    # The split of each round: a rate over the epochs after the first, and the fixed cost beyond them, which
+    # together give back the round's wall time; `fit`'s tracing makes the project's cost positive.
+    assert set(figures["steady_ratio_to_ceiling"]) == names and figures["steady_ratio_to_ceiling"]["ceiling"] == 1.0
+    assert all(rate > 0 for rate in figures["median_steady_images_per_s"].values())
+    assert all(seconds > 0 for seconds in figures["fixed_seconds"]["project"])
+    assert f"project's epochs after the first: {figures['steady_ratio_to_ceiling']['project']:.3f}" in proc.stdout
+
+
+def test_a_round_splits_into_later_epochs_and_a_fixed_cost():
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import throughput
+
+    # 4 epochs of 100 images: the first took 1.5 s, the others 0.5, 0.6 and 0.5 s; fit's wall time 3.3 s.
+    split = throughput.split_fixed_cost(400, 3.3, [1.5, 0.5, 0.6, 0.5])
+    assert split["steady_images_per_s"] == 100 / 0.5
+    assert abs(split["fixed_seconds"] - (3.3 - 4 * 0.5)) < 1e-9
+    assert throughput.split_fixed_cost(100, 1.0, [1.0]) == {"steady_images_per_s": None, "fixed_seconds": None}
 
 
 def test_benchmark_rejects_an_unknown_variant(tmp_path, data_dir):
