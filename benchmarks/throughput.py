@@ -174,25 +174,41 @@ def project_round(datasets, info, cfg, strategy, epochs, work_dir, variant):
     return epochs * data.images_per_epoch(steps, global_batch, num_train), wall, cpu, read, epoch_seconds
 
 
+def resident_batches(info, global_batch, steps=None):
+    """The training split's first `steps` full batches (all of them by default), scaled, in memory, as the
+    tutorial's pipeline yields them unshuffled: images (steps, batch, 28, 28, 1) and labels (steps, batch)."""
+    full = info.splits["train"].num_examples // global_batch
+    full = min(full, steps) if steps else full
+    images, labels = data.scale(*data.resident_split(info, "train"))
+    return (tf.reshape(images[:full * global_batch], (full, global_batch, 28, 28, 1)),
+            tf.reshape(labels[:full * global_batch], (full, global_batch)))
+
+
+def ceiling_loop(strategy, model, images, labels):
+    """One tf.function that runs the model's train step over every batch of `resident_batches`."""
+    @tf.function
+    def train_epoch():
+        for i in tf.range(images.shape[0]):
+            strategy.run(model.train_step, args=((images[i], labels[i]),))
+
+    return train_epoch
+
+
+def built_model(strategy, cfg, **compile_args):
+    with strategy.scope():
+        model = compile_model(build_model(), fused_adam=cfg.fused_adam, **compile_args)
+        model.build((None, 28, 28, 1))
+    return model
+
+
 def ceiling_round(info, cfg, strategy, epochs):
     """The train step alone: every batch already in memory, one tf.function looping over them."""
     global_batch = cfg.batch_size_per_replica * strategy.num_replicas_in_sync
-    full = info.splits["train"].num_examples // global_batch
-    images, labels = data.scale(*data.resident_split(info, "train"))
-    images = tf.reshape(images[:full * global_batch], (full, global_batch, 28, 28, 1))
-    labels = tf.reshape(labels[:full * global_batch], (full, global_batch))
-    with strategy.scope():
-        model = compile_model(build_model(), fused_adam=cfg.fused_adam)
-        model.build((None, 28, 28, 1))
-
-    @tf.function
-    def train_epoch():
-        for i in tf.range(full):
-            strategy.run(model.train_step, args=((images[i], labels[i]),))
-
+    images, labels = resident_batches(info, global_batch)
+    train_epoch = ceiling_loop(strategy, built_model(strategy, cfg), images, labels)
     train_epoch()  # trace and warm up outside the timing
     epoch_seconds, wall, cpu = _timed(lambda: [_timed(train_epoch)[1] for _ in range(epochs)])
-    return full * global_batch * epochs, wall, cpu, 0.0, epoch_seconds
+    return int(images.shape[0]) * global_batch * epochs, wall, cpu, 0.0, epoch_seconds
 
 
 def split_fixed_cost(images, wall, epoch_seconds):

@@ -66,3 +66,19 @@ def test_benchmark_rejects_an_unknown_variant(tmp_path, data_dir):
     assert "Traceback" not in proc.stderr
     assert proc.stderr.strip().splitlines()[-1].startswith("error:") and "warp_drive" in proc.stderr
     assert not (tmp_path / "b.json").exists()
+
+
+def test_step_cost_alternates_three_variants_in_one_process(tmp_path, data_dir):
+    out = tmp_path / "step_cost.json"
+    proc = subprocess.run([sys.executable, "benchmarks/step_cost.py", "--data-dir", data_dir, "--rounds", "3",
+                           "--output", str(out)], cwd=ROOT, env=subprocess_env(), capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    figures = json.loads(out.read_text())
+    assert figures["rounds"] == 3 and figures["steps_a_round"] >= 1
+    assert set(figures["variants"]) == {"ceiling", "keras_memory", "keras_project"}
+    assert figures["variants"]["ceiling"]["ratio_to_ceiling"] == 1.0
+    for name, variant in figures["variants"].items():
+        low, high = variant["ratio_range"]
+        assert variant["ms_a_step"] > 0 and variant["cpu_ms_a_step"] > 0 and low <= variant["ratio_to_ceiling"] <= high
+        assert f"{name:<15} {variant['ms_a_step']:>10.3f}" in proc.stdout

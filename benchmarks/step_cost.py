@@ -1,0 +1,153 @@
+"""Where one replica's training step goes: the same steps three ways, alternated in one process.
+
+    python benchmarks/step_cost.py --data-dir DIR                   # 30 rounds of an epoch's steps each
+    python benchmarks/step_cost.py --idx-dir ../shared/datasets/mnist --rounds 10
+
+`throughput.py` compares whole runs, each in a fresh process, whose speed moves by 10-20 % from one process to
+the next; a per-step difference of a few per cent drowns in that. Here every variant lives in one process,
+traced and warmed up first, and each round runs each variant's steps in turn (in reverse order every other
+round), so that the machine's drift hits all alike; each variant's time is read against the ceiling's of the
+same round. The variants, each with a model of its own:
+
+- ceiling: the train step looping inside one tf.function over batches already in memory (throughput.py's);
+- keras_memory: Keras's own train function (the default run's steps a call) over the same batches, read through
+  tf.data and `data.distribute` as the project reads a single replica's input;
+- keras_project: Keras's train function over the project's input pipeline (`data.train_dataset`: each batch's
+  indices shuffled, its images gathered and scaled on tf.data's thread).
+
+keras_memory against the ceiling is what Keras's loop around the step costs; keras_project against
+keras_memory is what the project's input costs a step.
+"""
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import sys
+import tempfile
+import time
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import tensorflow as tf  # noqa: E402
+
+import data  # noqa: E402
+import outputs  # noqa: E402
+from config import EXIT_BAD_INPUT, EXIT_OK, Config, UsageError  # noqa: E402
+from throughput import built_model, ceiling_loop, resident_batches  # noqa: E402  (benchmarks/ is this script's folder)
+
+DEFAULT_ROUNDS = 30
+BASELINE = "ceiling"
+
+
+def _cpu_seconds():
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def keras_steps(strategy, cfg, dataset, calls, steps_per_execution):
+    """`calls` calls of a fresh model's Keras train function, `steps_per_execution` steps each, over `dataset`
+    read as `fit` reads it."""
+    model = built_model(strategy, cfg, steps_per_execution=steps_per_execution)
+    iterator = iter(data.distribute(strategy, lambda share: dataset))  # one replica: its share is all
+    train_function = model.make_train_function()
+
+    def run():
+        for _ in range(calls):
+            train_function(iterator)
+
+    return run
+
+
+def variants(info, cfg, strategy, steps):
+    """{name: a function running `steps` training steps}, and the steps each runs, a multiple of the calls'."""
+    global_batch = cfg.batch_size_per_replica
+    images, labels = resident_batches(info, global_batch, steps)
+    available = int(images.shape[0])
+    per_call = min(cfg.steps_per_execution, available)
+    calls = available // per_call
+    steps = calls * per_call
+    images, labels = images[:steps], labels[:steps]
+    memory = tf.data.Dataset.from_tensor_slices((images, labels)).repeat()
+    num_train = info.splits["train"].num_examples
+    project = data.train_dataset(*data.resident_split(info, "train"), buffer_size=cfg.buffer_size,
+                                 global_batch=global_batch, seed=cfg.seed, first_epoch=0, first_image=0,
+                                 epoch_images=num_train, epochs=1)
+    return {
+        BASELINE: ceiling_loop(strategy, built_model(strategy, cfg), images, labels),
+        "keras_memory": keras_steps(strategy, cfg, memory, calls, per_call),
+        "keras_project": keras_steps(strategy, cfg, project, calls, per_call),
+    }, steps
+
+
+def measure(runs, rounds):
+    """{name: [(wall, CPU seconds) a round]}, each round running every variant once, alternating the order."""
+    for run in runs.values():
+        run()  # trace and warm up outside the timing
+    times = {name: [] for name in runs}
+    order = list(runs)
+    for round_ in range(rounds):
+        for name in order if round_ % 2 == 0 else order[::-1]:
+            wall, cpu = time.perf_counter(), _cpu_seconds()
+            runs[name]()
+            times[name].append((time.perf_counter() - wall, _cpu_seconds() - cpu))
+    return times
+
+
+def summarize(times, steps):
+    results = {"steps_a_round": steps, "rounds": len(times[BASELINE]), "variants": {}}
+    for name, measured in times.items():
+        ratios = [base[0] / own[0] for base, own in zip(times[BASELINE], measured)]
+        results["variants"][name] = {
+            "ms_a_step": round(1000 * statistics.median(wall for wall, _ in measured) / steps, 3),
+            "cpu_ms_a_step": round(1000 * statistics.median(cpu for _, cpu in measured) / steps, 3),
+            "ratio_to_ceiling": round(statistics.median(ratios), 3),
+            "ratio_range": [round(min(ratios), 3), round(max(ratios), 3)],
+        }
+    return results
+
+
+def print_table(results):
+    print(f"\n{'variant':<15} {'ms a step':>10} {'CPU ms a step':>14} {'x ceiling (paired, median)':>27} {'range':>14}")
+    for name, figures in results["variants"].items():
+        low, high = figures["ratio_range"]
+        print(f"{name:<15} {figures['ms_a_step']:>10.3f} {figures['cpu_ms_a_step']:>14.3f} "
+              f"{figures['ratio_to_ceiling']:>27.3f} {low:>6.3f}-{high:<7.3f}")
+    print(f"\n{results['rounds']} rounds of {results['steps_a_round']} steps, alternated in one process")
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--idx-dir", help="folder with the four MNIST IDX files (prepared into a temporary tfds dir)")
+    source.add_argument("--data-dir", help="a prepared tfds data dir")
+    parser.add_argument("--rounds", type=int, default=DEFAULT_ROUNDS, help="rounds of every variant")
+    parser.add_argument("--steps", type=int, default=None,
+                        help="steps a variant runs each round (unset: an epoch's full batches)")
+    parser.add_argument("--output", default="benchmarks/step_cost.json", help="JSON file for the figures")
+    args = parser.parse_args(argv)
+    try:
+        if args.rounds < 1 or (args.steps is not None and args.steps < 1):
+            raise UsageError("--rounds and --steps must be at least 1")
+        work = tempfile.TemporaryDirectory(prefix="mnist-step-cost-")
+        data_dir = os.path.join(work.name, "tfds") if args.idx_dir else args.data_dir
+        info = data.load(data_dir, args.idx_dir)
+    except UsageError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+
+    cfg = Config()
+    runs, steps = variants(info, cfg, tf.distribute.MirroredStrategy(), args.steps)
+    results = summarize(measure(runs, args.rounds), steps)
+    print_table(results)
+    os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
+    outputs.write_json(args.output, results)
+    print(f"figures written to {args.output}")
+    work.cleanup()
+    return EXIT_OK
+
+
+if __name__ == "__main__":
+    sys.exit(main())
