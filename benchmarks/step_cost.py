@@ -20,12 +20,10 @@ keras_memory is what the project's input costs a step.
 """
 
 import argparse
-import json
 import os
 import resource
 import statistics
 import sys
-import tempfile
 import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -34,9 +32,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import tensorflow as tf  # noqa: E402
 
 import data  # noqa: E402
-import outputs  # noqa: E402
 from config import EXIT_BAD_INPUT, EXIT_OK, Config, UsageError  # noqa: E402
-from throughput import built_model, ceiling_loop, resident_batches  # noqa: E402  (benchmarks/ is this script's folder)
+from throughput import add_data_source, built_model, ceiling_loop, prepared_data, resident_batches, write_figures  # noqa: E402  (benchmarks/ is this script's folder)
 
 DEFAULT_ROUNDS = 30
 BASELINE = "ceiling"
@@ -120,9 +117,7 @@ def print_table(results):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    source = parser.add_mutually_exclusive_group(required=True)
-    source.add_argument("--idx-dir", help="folder with the four MNIST IDX files (prepared into a temporary tfds dir)")
-    source.add_argument("--data-dir", help="a prepared tfds data dir")
+    add_data_source(parser)
     parser.add_argument("--rounds", type=int, default=DEFAULT_ROUNDS, help="rounds of every variant")
     parser.add_argument("--steps", type=int, default=None,
                         help="steps a variant runs each round (unset: an epoch's full batches)")
@@ -131,9 +126,7 @@ def main(argv=None):
     try:
         if args.rounds < 1 or (args.steps is not None and args.steps < 1):
             raise UsageError("--rounds and --steps must be at least 1")
-        work = tempfile.TemporaryDirectory(prefix="mnist-step-cost-")
-        data_dir = os.path.join(work.name, "tfds") if args.idx_dir else args.data_dir
-        info = data.load(data_dir, args.idx_dir)
+        work, _, info = prepared_data(args)
     except UsageError as err:
         print(f"error: {err}", file=sys.stderr)
         return EXIT_BAD_INPUT
@@ -142,9 +135,7 @@ def main(argv=None):
     runs, steps = variants(info, cfg, tf.distribute.MirroredStrategy(), args.steps)
     results = summarize(measure(runs, args.rounds), steps)
     print_table(results)
-    os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
-    outputs.write_json(args.output, results)
-    print(f"figures written to {args.output}")
+    write_figures(results, args.output)
     work.cleanup()
     return EXIT_OK
 

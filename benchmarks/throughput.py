@@ -307,11 +307,29 @@ def print_table(results):
               f"execution, the end of fit), which the ceiling, timed after its warm-up, does not pay")
 
 
-def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_data_source(parser):
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--idx-dir", help="folder with the four MNIST IDX files (prepared into a temporary tfds dir)")
     source.add_argument("--data-dir", help="a prepared tfds data dir")
+
+
+def prepared_data(args):
+    """(a temporary folder to clean up, the data dir, tfds's info) of --idx-dir or --data-dir, the data checked
+    (and prepared from --idx-dir) once, up front; UsageError where it cannot be used."""
+    work = tempfile.TemporaryDirectory(prefix="mnist-bench-")
+    data_dir = os.path.join(work.name, "tfds") if args.idx_dir else args.data_dir
+    return work, data_dir, data.load(data_dir, args.idx_dir)
+
+
+def write_figures(results, path):
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    outputs.write_json(path, results)
+    print(f"figures written to {path}")
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_data_source(parser)
     parser.add_argument("--rounds", type=int, default=2, help="rounds of every pipeline (at least 2 for a median)")
     parser.add_argument("--epochs", type=int, default=Config().epochs, help="full epochs per round (default: the default run's)")
     parser.add_argument("--quick", action="store_true", help=f"for development: {QUICK['epochs']} epochs, {QUICK['rounds']} rounds")
@@ -335,9 +353,7 @@ def main(argv=None):
             raise UsageError("--variants must include project, the run the ratios are about; add it")
         if args.rounds < 1 or args.epochs < 1:
             raise UsageError("--rounds and --epochs must be at least 1")
-        work = tempfile.TemporaryDirectory(prefix="mnist-bench-")
-        data_dir = os.path.join(work.name, "tfds") if args.idx_dir else args.data_dir
-        data.load(data_dir, args.idx_dir)  # checks the data (and prepares it from --idx-dir) once, up front
+        work, data_dir, _ = prepared_data(args)
     except UsageError as err:
         print(f"error: {err}", file=sys.stderr)
         return EXIT_BAD_INPUT
@@ -350,9 +366,7 @@ def main(argv=None):
 
     results = summarize(rounds, args)
     print_table(results)
-    os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
-    outputs.write_json(args.output, results)
-    print(f"figures written to {args.output}")
+    write_figures(results, args.output)
     work.cleanup()
     return EXIT_OK
 
