@@ -12,19 +12,15 @@ itself (docs/performance.md, "On a faster core: the AMD EPYC VM, and a 16-bit al
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
 import sys
 import textwrap
 
-from scaling import free_ports  # benchmarks/ is this script's folder, first on sys.path
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PARAMETERS = 347_146  # the tutorial's CNN (tests/test_units.py counts them)
+from projection import PARAMETERS  # the tutorial's CNN; benchmarks/ is this script's folder, first on sys.path
+from scaling import run_pinned  # which also puts the project on sys.path
+from config import EXIT_BAD_INPUT, EXIT_OK
 CASES = (("gradients, float32", PARAMETERS, "float32"), ("gradients, bfloat16", PARAMETERS, "bfloat16"),
          ("4 bytes, float32", 1, "float32"))
-ONE_THREAD = {"TF_NUM_INTRAOP_THREADS": "1", "TF_NUM_INTEROP_THREADS": "1", "TF_CPP_MIN_LOG_LEVEL": "2"}
 TIMEOUT_S = 600
 
 # Runs in each worker: prints {case: [(wall s, CPU s) per round]} as JSON.
@@ -59,25 +55,9 @@ WORKER = textwrap.dedent("""
 
 def measure(cases, repeats, rounds):
     """{case: {"wall_ms": ..., "cpu_ms": [worker 0, worker 1]}}, medians over rounds, per all-reduce."""
-    cluster = {"worker": [f"127.0.0.1:{port}" for port in free_ports(2)]}
-    cores = sorted(os.sched_getaffinity(0))
-    procs = []
-    for index in range(2):
-        env = {**os.environ, **ONE_THREAD, "PYTHONPATH": ROOT,
-               "TF_CONFIG": json.dumps({"cluster": cluster, "task": {"type": "worker", "index": index}})}
-        core = cores[index % len(cores)]
-        procs.append(subprocess.Popen(
-            [sys.executable, "-c", WORKER, json.dumps(cases), str(repeats), str(rounds)], env=env, text=True,
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, preexec_fn=lambda core=core: os.sched_setaffinity(0, {core})))
-    try:
-        outputs = [proc.communicate(timeout=TIMEOUT_S) for proc in procs]
-    finally:
-        for proc in procs:
-            proc.kill()
-    for proc, (_, stderr) in zip(procs, outputs):
-        if proc.returncode != 0:
-            raise RuntimeError(f"a worker exited {proc.returncode}:\n{stderr[-3000:]}")
-    figures = [json.loads(stdout.strip().splitlines()[-1]) for stdout, _ in outputs]
+    stdouts = run_pinned([sys.executable, "-c", WORKER, json.dumps(cases), str(repeats), str(rounds)], 2,
+                         what="a worker", timeout=TIMEOUT_S)
+    figures = [json.loads(stdout.strip().splitlines()[-1]) for stdout in stdouts]
     return {name: {"wall_ms": 1000 * statistics.median(wall for wall, _ in figures[0][name]),
                    "cpu_ms": [1000 * statistics.median(cpu for _, cpu in worker[name]) for worker in figures]}
             for name, _, _ in cases}
@@ -90,7 +70,7 @@ def main(argv=None):
     args = parser.parse_args(argv)
     if args.repeats < 1 or args.rounds < 1:
         print("error: --repeats and --rounds must be at least 1; e.g. --repeats 100 --rounds 3", file=sys.stderr)
-        return 2
+        return EXIT_BAD_INPUT
     results = measure(CASES, args.repeats, args.rounds)
     print(f"{'all-reduce of':<20} {'bytes':>10} {'wall ms':>8} {'CPU ms, worker 0 / 1':>22}")
     for name, size, dtype in CASES:
@@ -100,7 +80,7 @@ def main(argv=None):
               f"{figures['cpu_ms'][0]:>10.2f} / {figures['cpu_ms'][1]:.2f}")
     print(f"\ntwo workers on loopback, one core and one thread each; medians of {args.rounds} calls of "
           f"{args.repeats} all-reduces")
-    return 0
+    return EXIT_OK
 
 
 if __name__ == "__main__":

@@ -75,6 +75,32 @@ def printed_figures(stdout):
     return json.JSONDecoder().raw_decode(stdout, start)[0]
 
 
+def run_pinned(command, workers, *, what, multiworker=True, timeout=RUN_TIMEOUT_S):
+    """Runs `command` as `workers` processes, each pinned to its own core (as `taskset -c` does, cycling through
+    this process's cores) with one-thread op pools and, with `multiworker`, as worker `index` of a loopback
+    cluster in TF_CONFIG; returns their stdouts, or raises RuntimeError with `what` and a failed one's stderr."""
+    cores = sorted(os.sched_getaffinity(0))
+    cluster = {"worker": [f"127.0.0.1:{port}" for port in free_ports(workers)]}
+    procs = []
+    for index in range(workers):
+        env = {**os.environ, **ONE_THREAD, "TF_CPP_MIN_LOG_LEVEL": "2"}
+        env.pop("TF_CONFIG", None)
+        if multiworker:
+            env["TF_CONFIG"] = json.dumps({"cluster": cluster, "task": {"type": "worker", "index": index}})
+        core = cores[index % len(cores)]
+        procs.append(subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                      text=True, preexec_fn=lambda core=core: os.sched_setaffinity(0, {core})))
+    try:
+        outputs = [proc.communicate(timeout=timeout) for proc in procs]
+    finally:
+        for proc in procs:
+            proc.kill()
+    for proc, (_, stderr) in zip(procs, outputs):
+        if proc.returncode != 0:
+            raise RuntimeError(f"{what} exited {proc.returncode}:\n{stderr[-3000:]}")
+    return [stdout for stdout, _ in outputs]
+
+
 def configurations(allreduce_dtype):
     """The configurations to run: the three, and with `allreduce_dtype` two workers all-reducing in it too."""
     return CONFIGURATIONS + ((f"2 workers, {allreduce_dtype}",) if allreduce_dtype else ())
@@ -93,28 +119,11 @@ def run_configuration(name, args, batch, work_dir):
         command += ["--strategy", "multiworker"]
     if name.startswith("2 workers, "):
         command += ["--allreduce-dtype", name.split(", ")[1]]
-    cluster = {"worker": [f"127.0.0.1:{port}" for port in free_ports(workers)]}
     load = os.getloadavg()[0]
     sent_before = loopback_bytes()
-    procs = []
-    for index in range(workers):
-        env = {**os.environ, **ONE_THREAD, "TF_CPP_MIN_LOG_LEVEL": "2"}
-        env.pop("TF_CONFIG", None)
-        if name != "1 replica":
-            env["TF_CONFIG"] = json.dumps({"cluster": cluster, "task": {"type": "worker", "index": index}})
-        core = cores[index % len(cores)]
-        procs.append(subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                      text=True, preexec_fn=lambda core=core: os.sched_setaffinity(0, {core})))
-    try:
-        outputs = [proc.communicate(timeout=RUN_TIMEOUT_S) for proc in procs]
-    finally:
-        for proc in procs:
-            proc.kill()
+    stdouts = run_pinned(command, workers, what=f"{name} (batch {batch})", multiworker=name != "1 replica")
     sent_after = loopback_bytes()
-    for proc, (stdout, stderr) in zip(procs, outputs):
-        if proc.returncode != 0:
-            raise RuntimeError(f"{name} (batch {batch}) exited {proc.returncode}:\n{stderr[-3000:]}")
-    figures = [printed_figures(stdout) for stdout, _ in outputs]
+    figures = [printed_figures(stdout) for stdout in stdouts]
     chief = figures[0]
     cpu = sum(f["train_cpu_seconds"] for f in figures)
     steps = chief["train_images"] / chief["global_batch_size"]
