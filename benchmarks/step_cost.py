@@ -21,10 +21,8 @@ keras_memory is what the project's input costs a step.
 
 import argparse
 import os
-import resource
 import statistics
 import sys
-import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -33,15 +31,11 @@ import tensorflow as tf  # noqa: E402
 
 import data  # noqa: E402
 from config import EXIT_BAD_INPUT, EXIT_OK, Config, UsageError  # noqa: E402
-from throughput import add_data_source, built_model, ceiling_loop, prepared_data, resident_batches, write_figures  # noqa: E402  (benchmarks/ is this script's folder)
+from throughput import (add_data_source, built_model, ceiling_loop, prepared_data, resident_batches, timed,  # noqa: E402
+                        write_figures)  # benchmarks/ is this script's folder, first on sys.path
 
 DEFAULT_ROUNDS = 30
 BASELINE = "ceiling"
-
-
-def _cpu_seconds():
-    usage = resource.getrusage(resource.RUSAGE_SELF)
-    return usage.ru_utime + usage.ru_stime
 
 
 def keras_steps(strategy, cfg, dataset, calls, steps_per_execution):
@@ -61,7 +55,8 @@ def keras_steps(strategy, cfg, dataset, calls, steps_per_execution):
 def variants(info, cfg, strategy, steps):
     """{name: a function running `steps` training steps}, and the steps each runs, a multiple of the calls'."""
     global_batch = cfg.batch_size_per_replica
-    images, labels = resident_batches(info, global_batch, steps)
+    arrays = data.resident_split(info, "train")
+    images, labels = resident_batches(arrays, global_batch, steps)
     available = int(images.shape[0])
     per_call = min(cfg.steps_per_execution, available)
     calls = available // per_call
@@ -69,7 +64,7 @@ def variants(info, cfg, strategy, steps):
     images, labels = images[:steps], labels[:steps]
     memory = tf.data.Dataset.from_tensor_slices((images, labels)).repeat()
     num_train = info.splits["train"].num_examples
-    project = data.train_dataset(*data.resident_split(info, "train"), buffer_size=cfg.buffer_size,
+    project = data.train_dataset(*arrays, buffer_size=cfg.buffer_size,
                                  global_batch=global_batch, seed=cfg.seed, first_epoch=0, first_image=0,
                                  epoch_images=num_train, epochs=1)
     return {
@@ -87,9 +82,8 @@ def measure(runs, rounds):
     order = list(runs)
     for round_ in range(rounds):
         for name in order if round_ % 2 == 0 else order[::-1]:
-            wall, cpu = time.perf_counter(), _cpu_seconds()
-            runs[name]()
-            times[name].append((time.perf_counter() - wall, _cpu_seconds() - cpu))
+            _, wall, cpu = timed(runs[name])
+            times[name].append((wall, cpu))
     return times
 
 

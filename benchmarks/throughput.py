@@ -70,7 +70,7 @@ def _cpu_seconds():
     return usage.ru_utime + usage.ru_stime
 
 
-def _timed(work):
+def timed(work):
     """(result, wall seconds, CPU seconds of this process) of `work()`."""
     wall, cpu = time.perf_counter(), _cpu_seconds()
     result = work()
@@ -115,7 +115,7 @@ class EpochEnds(keras.callbacks.Callback):
 def _timed_fit(model, train, cbs, **fit_args):
     """(wall seconds, CPU seconds, each epoch's seconds) of `model.fit`."""
     clock = EpochEnds()
-    _, wall, cpu = _timed(lambda: model.fit(train, callbacks=[*cbs, clock], **fit_args))
+    _, wall, cpu = timed(lambda: model.fit(train, callbacks=[*cbs, clock], **fit_args))
     return wall, cpu, clock.epoch_seconds()
 
 
@@ -155,7 +155,7 @@ def project_round(datasets, info, cfg, strategy, epochs, work_dir, variant):
     if variant.get("input") == "tfds_stream":
         train, read = tfds_stream(datasets, cfg, global_batch, epochs, steps), 0.0
     else:
-        arrays, read, _ = _timed(lambda: data.resident_split(info, "train"))
+        arrays, read, _ = timed(lambda: data.resident_split(info, "train"))
         train = data.train_dataset(*arrays, buffer_size=cfg.buffer_size, global_batch=global_batch, seed=cfg.seed,
                                    first_epoch=0, first_image=0, epoch_images=num_train, epochs=epochs)
     if variant.get("input") == "autotune":
@@ -174,12 +174,12 @@ def project_round(datasets, info, cfg, strategy, epochs, work_dir, variant):
     return epochs * data.images_per_epoch(steps, global_batch, num_train), wall, cpu, read, epoch_seconds
 
 
-def resident_batches(info, global_batch, steps=None):
-    """The training split's first `steps` full batches (all of them by default), scaled, in memory, as the
-    tutorial's pipeline yields them unshuffled: images (steps, batch, 28, 28, 1) and labels (steps, batch)."""
-    full = info.splits["train"].num_examples // global_batch
+def resident_batches(arrays, global_batch, steps=None):
+    """The first `steps` full batches (all of them by default) of the resident split `arrays`, scaled, in the
+    split's order: images (steps, batch, 28, 28, 1) and labels (steps, batch)."""
+    full = int(arrays[0].shape[0]) // global_batch
     full = min(full, steps) if steps else full
-    images, labels = data.scale(*data.resident_split(info, "train"))
+    images, labels = data.scale(*arrays)
     return (tf.reshape(images[:full * global_batch], (full, global_batch, 28, 28, 1)),
             tf.reshape(labels[:full * global_batch], (full, global_batch)))
 
@@ -204,10 +204,10 @@ def built_model(strategy, cfg, **compile_args):
 def ceiling_round(info, cfg, strategy, epochs):
     """The train step alone: every batch already in memory, one tf.function looping over them."""
     global_batch = cfg.batch_size_per_replica * strategy.num_replicas_in_sync
-    images, labels = resident_batches(info, global_batch)
+    images, labels = resident_batches(data.resident_split(info, "train"), global_batch)
     train_epoch = ceiling_loop(strategy, built_model(strategy, cfg), images, labels)
     train_epoch()  # trace and warm up outside the timing
-    epoch_seconds, wall, cpu = _timed(lambda: [_timed(train_epoch)[1] for _ in range(epochs)])
+    epoch_seconds, wall, cpu = timed(lambda: [timed(train_epoch)[1] for _ in range(epochs)])
     return int(images.shape[0]) * global_batch * epochs, wall, cpu, 0.0, epoch_seconds
 
 
