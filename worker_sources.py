@@ -74,6 +74,18 @@ def in_slurm(environ):
     return "SLURM_JOB_ID" in environ or "SLURM_PROCID" in environ
 
 
+def _whole_numbers(environ, names, fix):
+    """The variables `names` of `environ` as whole numbers, in that order, or UsageError naming the first that
+    is not."""
+    numbers = []
+    for name in names:
+        try:
+            numbers.append(int(environ[name]))
+        except ValueError:
+            raise UsageError(f"{name}={environ[name]!r} is not a whole number; {fix}") from None
+    return numbers
+
+
 def parse_slurm(environ):
     """Returns (rank, tasks) from srun's variables, or raises UsageError.
 
@@ -84,13 +96,7 @@ def parse_slurm(environ):
     missing = [name for name in config.SLURM_STEP_VARS if not environ.get(name)]
     if missing:
         raise UsageError(f"{', '.join(missing)} not set: this Slurm job's workers were not started by srun; {fix}")
-    counts = {}
-    for name in ("SLURM_PROCID", "SLURM_STEP_NUM_TASKS"):
-        try:
-            counts[name] = int(environ[name])
-        except ValueError:
-            raise UsageError(f"{name}={environ[name]!r} is not a whole number; {fix}") from None
-    rank, tasks = counts["SLURM_PROCID"], counts["SLURM_STEP_NUM_TASKS"]
+    rank, tasks = _whole_numbers(environ, ("SLURM_PROCID", "SLURM_STEP_NUM_TASKS"), fix)
     if tasks < 1 or not 0 <= rank < tasks:
         raise UsageError(f"SLURM_PROCID={rank} is not a task of the step's SLURM_STEP_NUM_TASKS={tasks}; {fix}")
     return rank, tasks
@@ -109,13 +115,7 @@ def indexed_job(environ, own_host):
     if missing:
         raise UsageError(f"{', '.join(missing)} not set: a Kubernetes Indexed Job's pod needs all of "
                          f"{', '.join(config.INDEXED_JOB_VARS)} (the Job controller sets the first); {fix}")
-    numbers = {}
-    for name in ("JOB_COMPLETION_INDEX", "MNIST_WORKERS", "MNIST_WORKER_PORT"):
-        try:
-            numbers[name] = int(environ[name])
-        except ValueError:
-            raise UsageError(f"{name}={environ[name]!r} is not a whole number; {fix}") from None
-    index, workers, port = numbers["JOB_COMPLETION_INDEX"], numbers["MNIST_WORKERS"], numbers["MNIST_WORKER_PORT"]
+    index, workers, port = _whole_numbers(environ, ("JOB_COMPLETION_INDEX", "MNIST_WORKERS", "MNIST_WORKER_PORT"), fix)
     if workers < 1 or not 0 <= index < workers:
         raise UsageError(f"JOB_COMPLETION_INDEX={index} is not a worker of MNIST_WORKERS={workers}; give "
                          "MNIST_WORKERS the Job's completions and parallelism")
