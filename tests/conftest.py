@@ -268,6 +268,16 @@ def assert_refused_in_one_line(status, stderr, words, output_dir):
     return lines[0]
 
 
+def run_under_broken_tf_config(monkeypatch, tmp_path, capsys):
+    """A multi-worker run's status and stderr line with an unreadable TF_CONFIG set beside whatever else the test
+    set: TF_CONFIG wins over the other sources of workers, so its line is the one given."""
+    import train_mnist_mirrored
+
+    monkeypatch.setenv("TF_CONFIG", "{not json")
+    status = train_mnist_mirrored.main(["--strategy", "multiworker", "--output-dir", str(tmp_path / "out")])
+    return status, capsys.readouterr().err.strip()
+
+
 def assert_one_port_warning(stderr, port):
     warnings = [line for line in stderr.splitlines() if "unauthenticated" in line]
     assert len(warnings) == 1 and f"port {port} " in warnings[0], stderr[-3000:]

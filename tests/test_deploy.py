@@ -87,7 +87,8 @@ def documents(path):
 
 def job_specs():
     """(name, the Job's spec, its pods' host name with {index}, their subdomain) of each manifest."""
-    job, service = documents(INDEXED_JOB)["Job"], documents(INDEXED_JOB)["Service"]
+    indexed = documents(INDEXED_JOB)
+    job, service = indexed["Job"], indexed["Service"]
     jobset = documents(JOBSET)["JobSet"]
     replicated = jobset["spec"]["replicatedJobs"][0]
     return [("indexed-job", job["spec"], job["metadata"]["name"] + "-{index}", service["metadata"]["name"]),
@@ -106,7 +107,8 @@ def trainer(spec):
 def test_each_pod_has_a_stable_dns_name():
     """An Indexed Job's pod is `<job>-<index>.<subdomain>` where its subdomain is a headless Service selecting it;
     JobSet makes that Service for one replicated Job of its own."""
-    job, service = documents(INDEXED_JOB)["Job"], documents(INDEXED_JOB)["Service"]
+    indexed = documents(INDEXED_JOB)
+    job, service = indexed["Job"], indexed["Service"]
     assert service["spec"]["clusterIP"] == "None"
     assert service["spec"]["selector"] == {"batch.kubernetes.io/job-name": job["metadata"]["name"]}
     assert job["spec"]["template"]["spec"]["subdomain"] == service["metadata"]["name"]

@@ -23,7 +23,8 @@ import config
 import netns
 import train_mnist_mirrored
 from conftest import (ROOT, Worker, apply_env, assert_one_port_warning, assert_refused_in_one_line, backed_up_images,
-                      finish, images_at, skip_unless_ci, started, subprocess_env, wait_for_backup_after)
+                      finish, images_at, run_under_broken_tf_config, skip_unless_ci, started, subprocess_env,
+                      wait_for_backup_after)
 
 MANIFEST = os.path.join(ROOT, "deploy", "indexed-job.yaml")
 ENTRYPOINT = ["python", "train_mnist_mirrored.py"]
@@ -172,9 +173,7 @@ def test_bad_pod_variables_are_refused_in_one_line(changes, words, pod_env, tmp_
 
 def test_tf_config_wins_over_the_pod_variables(pod_env, monkeypatch, tmp_path, capsys):
     pod_env(MNIST_WORKERS="broken")
-    monkeypatch.setenv("TF_CONFIG", "{not json")
-    rc = train_mnist_mirrored.main(["--strategy", "multiworker", "--output-dir", str(tmp_path / "out")])
-    line = capsys.readouterr().err.strip()
+    rc, line = run_under_broken_tf_config(monkeypatch, tmp_path, capsys)
     assert rc == config.EXIT_BAD_INPUT and "TF_CONFIG" in line and "MNIST_WORKERS" not in line
 
 

@@ -12,7 +12,7 @@ import worker_group
 import terminal
 import train_mnist_mirrored
 from conftest import (Worker, apply_env, assert_one_port_warning, assert_refused_in_one_line, finish, free_ports,
-                      smoke_args)
+                      run_under_broken_tf_config, smoke_args)
 
 CHIEF_OUTPUTS = ["logs", "model.keras", "results.json", "saved_model", "training_checkpoints"]
 
@@ -179,7 +179,5 @@ def test_bad_slurm_step_is_refused_in_one_line(changes, flags, words, slurm_step
 def test_tf_config_wins_over_slurm(slurm_step, tmp_path, monkeypatch, capsys):
     """With TF_CONFIG set, srun's variables are not read: even broken ones do not matter."""
     slurm_step(SLURM_PROCID="broken")
-    monkeypatch.setenv("TF_CONFIG", "{not json")
-    rc = train_mnist_mirrored.main(["--strategy", "multiworker", "--output-dir", str(tmp_path / "out")])
-    line = capsys.readouterr().err.strip()
+    rc, line = run_under_broken_tf_config(monkeypatch, tmp_path, capsys)
     assert rc == config.EXIT_BAD_INPUT and "TF_CONFIG" in line and "SLURM" not in line
