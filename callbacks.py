@@ -3,6 +3,7 @@ schedule, the printed learning rate; plus the backup that lets a killed or pre-e
 tutorial's advice for larger batches (scale the learning rate with the batch, warmed up per step)."""
 
 import os
+import time
 
 import numpy as np
 import tensorflow as tf
@@ -99,6 +100,21 @@ class LogLR(keras.callbacks.Callback):
     def on_epoch_end(self, epoch, logs=None):
         if logs is not None:
             logs["lr"] = applied_learning_rate(self.model.optimizer)
+
+
+class EpochClock(keras.callbacks.Callback):
+    """Each epoch's wall seconds, from the end of the one before (the first's from the clock's making, just
+    before `fit`, so it holds the tracing); last among the callbacks, so each epoch holds their work too."""
+
+    def __init__(self):
+        super().__init__()
+        self.ends = [time.perf_counter()]
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.ends.append(time.perf_counter())
+
+    def epoch_seconds(self):
+        return [round(end - start, 3) for start, end in zip(self.ends, self.ends[1:])]
 
 
 # ---------------------------------------------------------------- pre-emption and the backup

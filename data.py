@@ -1,159 +1,31 @@
 """Tutorial step 2: MNIST through tensorflow_datasets, scaled to [0, 1], shuffled and batched.
 
-MNIST comes only from tfds's prepared `mnist` (found and checked by tfds's builder, its record files then read
-once into memory by `resident_split`). For machines without internet,
-`python data.py prepare --idx-dir DIR [--data-dir DIR]` turns the four standard IDX files into a prepared
-tfds data dir with tfds's own builder (so tfds writes, versions and names the files), after which
-`tfds.load('mnist', data_dir=DIR)` reads it with no network access.
+MNIST comes only from tfds's prepared `mnist`, found and checked by tfds's builder; its record files are then read
+once into memory (`resident_split`). Without internet, `--idx-dir` (or `python prepare_mnist.py`) prepares it from
+the four IDX files first.
+
+Training keeps the split resident on every replica's device (`on_replicas`) and sends only each batch's example
+indices through tf.data: the step itself gathers and scales its batch (`gather_in_train_step`), as fast
+small-image trainers do, so no batch of images crosses a thread or a device boundary.
 """
 
-import argparse
-import contextlib
-import fcntl
 import functools
-import gzip
 import math
 import os
 import socket
-import sys
 import threading
 
-import numpy as np
 import tensorflow as tf
 import tensorflow_datasets as tfds
-from tensorflow_datasets.image_classification import mnist as tfds_mnist
 
-from config import EXIT_BAD_INPUT, EXIT_OK, UsageError
+import prepare_mnist
+from config import UsageError
 
-IMAGE_SHAPE = (28, 28)
-NUM_CLASSES = 10
-IDX_FILES = {
-    "train": ("train-images-idx3-ubyte", "train-labels-idx1-ubyte"),
-    "test": ("t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte"),
-}
-# IDX magic numbers: unsigned bytes, 3 dimensions (images) or 1 (labels).
-IDX_MAGIC = {3: 0x00000803, 1: 0x00000801}
 DOWNLOAD_HOST = ("storage.googleapis.com", 443)  # where tfds downloads MNIST from
 ONLINE_PROBE_SECONDS = 3
-PREPARE_HINT = "python data.py prepare --idx-dir DIR_WITH_IDX_FILES"
-PREPARE_LOCK = ".mnist-prepare.lock"  # in the data dir; tfds ignores it
 READ_BATCH = 1024  # records parsed per vectorised tf.io.parse_example call
 WHOLE = (0, 1)  # an input pipeline's share of each global batch: the first of one, all of it
 PADDING = -1  # the index of a padding example in a batch of indices: image 0, at weight 0 (`padded`)
-
-
-# ---------------------------------------------------------------- IDX files -> prepared tfds dir
-
-def _idx_path(idx_dir, name):
-    for candidate in (os.path.join(idx_dir, name + ".gz"), os.path.join(idx_dir, name)):
-        if os.path.isfile(candidate):
-            return candidate
-    raise UsageError(f"{name}(.gz) is missing from {idx_dir}; put the four standard MNIST IDX files there")
-
-
-def read_idx(path, ndim):
-    """Reads one IDX file (gzip or raw) of unsigned bytes with `ndim` dimensions, checking every size."""
-    try:
-        opener = gzip.open if path.endswith(".gz") else open
-        with opener(path, "rb") as f:
-            raw = f.read()
-    except (OSError, EOFError) as err:
-        raise UsageError(f"{path} cannot be read ({err}); replace it with an intact copy") from None
-    header = 4 + 4 * ndim
-    if len(raw) < header:
-        raise UsageError(f"{path} is empty or shorter than an IDX header; replace it with an intact copy")
-    magic = int.from_bytes(raw[:4], "big")
-    if magic != IDX_MAGIC[ndim]:
-        raise UsageError(f"{path} is not an IDX file of {ndim}-d unsigned bytes (magic {magic:#010x}); "
-                         "check that images and labels are not swapped")
-    dims = [int.from_bytes(raw[4 + 4 * i: 8 + 4 * i], "big") for i in range(ndim)]
-    if len(raw) - header != math.prod(dims):
-        raise UsageError(f"{path} holds {len(raw) - header} bytes of data but its header promises "
-                         f"{math.prod(dims)} ({' x '.join(map(str, dims))}); it is truncated or corrupt, replace it")
-    return np.frombuffer(raw, np.uint8, offset=header).reshape(dims)
-
-
-def read_split(idx_dir, split):
-    images_name, labels_name = IDX_FILES[split]
-    images = read_idx(_idx_path(idx_dir, images_name), 3)
-    labels = read_idx(_idx_path(idx_dir, labels_name), 1)
-    if images.shape[1:] != IMAGE_SHAPE:
-        raise UsageError(f"{images_name} holds {images.shape[1]}x{images.shape[2]} images, not MNIST's 28x28")
-    if len(images) != len(labels):
-        raise UsageError(f"{images_name} has {len(images)} images but {labels_name} has {len(labels)} labels; "
-                         "use files from the same MNIST release")
-    if len(images) == 0:
-        raise UsageError(f"{images_name} holds no images; replace it with the real file")
-    if labels.max() >= NUM_CLASSES:
-        raise UsageError(f"{labels_name} has label {labels.max()}, MNIST's are 0-{NUM_CLASSES - 1}; replace it")
-    return images, labels
-
-
-class _MnistFromIdx(tfds_mnist.MNIST, skip_registration=True):
-    """tfds's own MNIST builder (same name, version, features), fed from local IDX arrays instead of a download."""
-
-    name = "mnist"
-
-    def __init__(self, *, splits, **kwargs):
-        self._arrays = splits
-        super().__init__(**kwargs)
-
-    def _split_generators(self, dl_manager):
-        return {split: self._generate_examples(*arrays) for split, arrays in self._arrays.items()}
-
-    def _generate_examples(self, images, labels):
-        for index, (image, label) in enumerate(zip(images, labels)):
-            yield index, {"image": image[..., None], "label": int(label)}
-
-    def _log_download_bytes(self):
-        """tfds's "Downloading and preparing dataset Unknown size ..." line: nothing is downloaded here, and
-        prepare() has said what it does."""
-
-    def _log_download_done(self):
-        print(f"prepared mnist in {self.data_dir}", flush=True)
-
-
-def _is_prepared(builder):
-    """builder.is_prepared(), without its warning that a dataset folder not yet made "has no dataset_info.json"
-    (a first offline run printed it twice); a folder that exists without that file still warns."""
-    return builder.data_path.exists() and builder.is_prepared()
-
-
-@contextlib.contextmanager
-def _prepare_lock(data_dir):
-    """Runs started together on one (shared) data dir take turns to prepare it: one writes, the others wait."""
-    os.makedirs(data_dir, exist_ok=True)
-    path = os.path.join(data_dir, PREPARE_LOCK)
-    with open(path, "a") as lock:
-        try:
-            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            print(f"waiting for another process preparing mnist in {data_dir} (it holds {path})", flush=True)
-            fcntl.flock(lock, fcntl.LOCK_EX)
-        yield  # closing the file releases the lock, also when the process dies
-
-
-def prepare(idx_dir, data_dir=None, *, exist_ok=False):
-    """Writes a prepared `mnist` tfds dataset under data_dir from the IDX files in idx_dir; returns its path.
-
-    With `exist_ok`, a data dir that another process prepared meanwhile is simply used.
-    """
-    if not os.path.isdir(idx_dir):
-        raise UsageError(f"--idx-dir {idx_dir} is not a directory; point it at the folder with the MNIST IDX files")
-    splits = {split: read_split(idx_dir, split) for split in IDX_FILES}
-    root = data_dir or os.path.dirname(os.path.dirname(tfds.builder("mnist").data_dir))  # tfds's own default
-    with _prepare_lock(root):
-        # Made under the lock, so that it sees what a prepare that held the lock before wrote.
-        builder = _MnistFromIdx(splits=splits, data_dir=data_dir)
-        if _is_prepared(builder):
-            if exist_ok:
-                return builder.data_dir
-            raise UsageError(f"{builder.data_dir} already holds a prepared mnist; remove it first to prepare it again")
-        print(f"preparing mnist in {root} from the IDX files in {idx_dir}", flush=True)
-        # tfds writes into an "incomplete" temporary folder and renames it when done, so a killed prepare
-        # leaves no half-written dataset behind.
-        builder.download_and_prepare(download_config=tfds.download.DownloadConfig(try_download_gcs=False))
-    return builder.data_dir
 
 
 # ---------------------------------------------------------------- loading, as the tutorial does
@@ -175,21 +47,21 @@ def _online():
     return bool(result)
 
 
-def load(data_dir=None, idx_dir=None):
+def mnist_info(data_dir=None, idx_dir=None):
     """Tutorial: `tfds.load('mnist', with_info=True)`, for its DatasetInfo only: the run reads the record files
     itself (resident_split), so it never builds tfds's datasets. Fails fast offline.
 
     With `idx_dir`, a data dir that holds no prepared mnist is prepared from the IDX files first.
     """
     if data_dir is not None and not os.path.isdir(data_dir) and idx_dir is None:
-        raise UsageError(f"--data-dir {data_dir} does not exist; prepare it with: {PREPARE_HINT} --data-dir {data_dir}")
+        raise UsageError(f"--data-dir {data_dir} does not exist; prepare it with: {prepare_mnist.HINT} --data-dir {data_dir}")
     builder = tfds.builder("mnist", data_dir=data_dir)
-    if not _is_prepared(builder):
+    if not prepare_mnist.is_prepared(builder):
         if idx_dir is not None:
-            prepare(idx_dir, data_dir, exist_ok=True)
+            prepare_mnist.prepare(idx_dir, data_dir, exist_ok=True)
         elif not _online():
             raise UsageError(f"no prepared mnist in {data_dir or builder.data_dir} and no internet to download it; "
-                             f"run: {PREPARE_HINT} --data-dir {data_dir or '~/tensorflow_datasets'}, "
+                             f"run: {prepare_mnist.HINT} --data-dir {data_dir or '~/tensorflow_datasets'}, "
                              "or pass --idx-dir DIR_WITH_IDX_FILES")
     try:
         # download_and_prepare does nothing for a prepared dir, and downloads (as tfds.load does) otherwise.
@@ -234,7 +106,7 @@ def resident_split(info, split):
 
 def _unreadable(data_dir, why):
     return UsageError(f"the mnist dataset in {data_dir} cannot be read ({why}); "
-                      f"prepare it again into an empty dir: {PREPARE_HINT} --data-dir NEW_DIR")
+                      f"prepare it again into an empty dir: {prepare_mnist.HINT} --data-dir NEW_DIR")
 
 
 def scale(image, label):
@@ -295,21 +167,13 @@ def distribute(strategy, make_dataset):
     """What `fit` is given: the training stream across the strategy's replicas, from `make_dataset(share=...)`,
     which builds the stream of one input pipeline's share of every global batch (`pipeline_share`).
 
-    Keras hands a plain dataset to the strategy's multi-device iterator, which copies each batch to its
-    replica's device from a background thread through a device-side pipeline of tf.data's default options.
-    Its autotuner thread ignores the iterator's teardown until its next tuning round: `fit` returned up to
-    6.5 s after its last epoch, in 2 of 4 runs of 3 epochs (docs/performance.md); evaluation's short-lived
-    iterators are left to Keras, which also wants a step count for anything else. Under multi-worker, Keras's
-    path also has every worker gather and scale the whole global batch, rebatch it and keep only its own part.
-
-    So a single replica of MirroredStrategy, which has nothing to split, reads the stream through the strategy's
-    own per-replica input (no fetch to a device, no multi-device iterator, no autotuner), one batch read ahead.
-    Under MultiWorkerMirroredStrategy with one replica per worker, each worker's input pipeline gathers only
-    its own share of each global batch, split as TensorFlow's rebatching splits it; TensorFlow still puts a
-    multi-device iterator behind it (it refuses per-replica input for this strategy). Several replicas in one
-    process (several GPUs, --cpu-replicas, workers with several GPUs) keep Keras's path. Wherever a
-    multi-device iterator remains, evaluation's included, its device-side pipelines are built untuned
-    (`untune_device_pipelines`).
+    A single replica of MirroredStrategy, which has nothing to split, reads the stream through the strategy's own
+    per-replica input, one batch read ahead: no multi-device iterator, whose device-side pipeline and its
+    autotuner stalled the end of `fit`. Under MultiWorkerMirroredStrategy with one replica per worker, each
+    worker's pipeline makes only its own share of each global batch, split as TensorFlow's rebatching splits it
+    (TensorFlow refuses per-replica input there and keeps a multi-device iterator). Several replicas in one
+    process (GPUs, --cpu-replicas) keep Keras's path. Wherever a multi-device iterator remains, evaluation's
+    included, its device-side pipelines are built untuned (`untune_device_pipelines`).
     """
     untune_device_pipelines()
     single = isinstance(strategy, tf.distribute.MirroredStrategy) and strategy.num_replicas_in_sync == 1
@@ -339,15 +203,6 @@ def pipeline_share(batch, index, count):
     return batch[start:start + base + tf.cast(index < extra, tf.int64)]
 
 
-def _gather(images, labels, batch):
-    """The scaled images and the labels at a batch of indices of the resident tensors."""
-    return scale(tf.gather(images, batch), tf.gather(labels, batch))
-
-
-def _batches(images, labels, indices):
-    return indices.map(lambda batch: _gather(images, labels, batch))
-
-
 def padded(batch, replicas):
     """A global batch of indices with PADDING appended up to `replicas` indices, so that no replica's share is
     empty: TensorFlow 2.21's oneDNN MaxPoolGrad kernel aborts the process on an empty batch inside a graph, on
@@ -361,14 +216,14 @@ def padded(batch, replicas):
     return tf.concat([batch, tf.fill([missing], tf.constant(PADDING, tf.int64))], 0)
 
 
-def _weighted_batches(images, labels, indices):
-    """`_batches` of index batches that may hold PADDING, each with its examples' weights: 1, or 0 for padding,
-    which Keras's `fit` reads as sample weights."""
-    def gather(batch):
-        real = batch != PADDING
-        return (*_gather(images, labels, tf.where(real, batch, 0)), tf.cast(real, tf.float32))
-
-    return indices.map(gather)
+def examples(images, labels, batch, *, weighted):
+    """The scaled images and the labels at a batch of indices into a resident split; `weighted`, for batches
+    that may hold PADDING, adds each example's weight (1, or 0 for padding), which Keras reads as sample weights."""
+    if not weighted:
+        return scale(tf.gather(images, batch), tf.gather(labels, batch))
+    real = batch != PADDING
+    batch = tf.where(real, batch, tf.zeros_like(batch))
+    return (*scale(tf.gather(images, batch), tf.gather(labels, batch)), tf.cast(real, tf.float32))
 
 
 def epoch_order(num_examples, *, buffer_size, seed, epoch):
@@ -396,34 +251,69 @@ def index_batches(num_examples, *, buffer_size, seed, global_batch, first_epoch,
     return functools.reduce(tf.data.Dataset.concatenate, map(one_epoch, range(first_epoch, epochs)), nothing)
 
 
-def train_dataset(images, labels, *, buffer_size, global_batch, seed, first_epoch, first_image, epoch_images, epochs,
+def train_indices(num_examples, *, buffer_size, global_batch, seed, first_epoch, first_image, epoch_images, epochs,
                   replicas=1, share=WHOLE):
-    """All batches from image `first_image` of epoch `first_epoch` on, gathered from the resident training split;
-    with `share` (index, count), only that input pipeline's part of each (`pipeline_share`). Across several
-    `replicas` (all workers' together) a batch smaller than their count is `padded`, and every batch carries
-    its examples' weights.
+    """What the run's training stream carries: the batches of example indices from image `first_image` of epoch
+    `first_epoch` on (`index_batches`); with `share` (index, count), only that input pipeline's part of each
+    (`pipeline_share`). Across several `replicas` (all workers' together) a batch smaller than their count is
+    `padded`.
 
     The tutorial's `map(scale).cache().shuffle(buffer).batch(batch)` shuffles examples through a buffer of
-    `buffer_size`; here the same seeded shuffle runs over example indices (`index_batches`), which gives the
-    same order (tf.data's shuffle draws positions in its buffer, whatever the elements are), and each batch
-    is gathered from memory. Each epoch's shuffle is seeded by its number, so a run resumed at any image,
-    at any global batch, trains exactly the images an uninterrupted run trains from there on.
+    `buffer_size`; here the same seeded shuffle runs over example indices, which gives the same order (tf.data's
+    shuffle draws positions in its buffer, whatever the elements are). Each epoch's shuffle is seeded by its
+    number, so a run resumed at any image, at any global batch, trains exactly the images an uninterrupted run
+    trains from there on.
     """
-    indices = index_batches(int(images.shape[0]), buffer_size=buffer_size, seed=seed, global_batch=global_batch,
+    indices = index_batches(num_examples, buffer_size=buffer_size, seed=seed, global_batch=global_batch,
                             first_epoch=first_epoch, first_image=first_image, epoch_images=epoch_images,
                             epochs=epochs)
     if replicas > 1:
         indices = indices.map(lambda batch: padded(batch, replicas))
     if share != WHOLE:
         indices = indices.map(lambda batch: pipeline_share(batch, *share))
-    batches = _weighted_batches if replicas > 1 else _batches
     # Repeated so that the stream never ends under `fit`, which stops after its epochs by itself.
-    return for_distribution(batches(images, labels, indices.repeat()))
+    return for_distribution(indices.repeat())
+
+
+def train_dataset(images, labels, *, replicas=1, **stream):
+    """`train_indices`'s batches with their examples gathered from the split (`examples`): what each training
+    step sees, as a dataset of its own, for the tests that check the stream against tfds and Keras."""
+    indices = train_indices(int(images.shape[0]), replicas=replicas, **stream)
+    return indices.map(lambda batch: examples(images, labels, batch, weighted=replicas > 1))
+
+
+def on_replicas(strategy, images, labels):
+    """The split resident beside the model, never checkpointed (the model does not track it): under
+    MirroredStrategy a mirrored copy on every replica's device, as the weights are (one per GPU, 47 MB of uint8
+    for MNIST's training split); under MultiWorkerMirroredStrategy one copy on each worker's first device, from
+    that worker's own read, since a mirrored variable is broadcast from the chief and TensorFlow's collectives
+    broadcast no uint8."""
+    def resident():
+        return (tf.Variable(images, trainable=False, name="resident_images"),
+                tf.Variable(labels, trainable=False, name="resident_labels"))
+
+    if isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy):
+        with tf.device(strategy.extended.worker_devices[0]):
+            return resident()
+    with strategy.scope():
+        return resident()
+
+
+def gather_in_train_step(model, resident, *, weighted):
+    """Makes `model`'s train step take a batch of `train_indices` and gather and scale its examples from the
+    `resident` split itself (`examples`), on the replica's own copy. Set on the instance, as the model's other
+    step hooks are, so the exported model stays the tutorial's plain Sequential; evaluation still reads images."""
+    train_step = model.train_step
+
+    def step_on_indices(batch):
+        return train_step(examples(*resident, batch, weighted=weighted))
+
+    model.train_step = step_on_indices
 
 
 def eval_dataset(images, labels, *, global_batch):
     indices = tf.data.Dataset.range(int(images.shape[0])).batch(global_batch)
-    return for_distribution(_batches(images, labels, indices))
+    return for_distribution(indices.map(lambda batch: examples(images, labels, batch, weighted=False)))
 
 
 def tfds_datasets(data_dir=None):
@@ -437,26 +327,3 @@ def tutorial_datasets(datasets, *, buffer_size, global_batch):
     train = datasets["train"].map(scale).cache().shuffle(buffer_size).batch(global_batch)
     test = datasets["test"].map(scale).batch(global_batch)
     return train, test
-
-
-# ---------------------------------------------------------------- command line
-
-def main(argv=None):
-    parser = argparse.ArgumentParser(prog="data.py", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    commands = parser.add_subparsers(dest="command", required=True)
-    prep = commands.add_parser("prepare", help="turn the four MNIST IDX files into a prepared tfds data dir")
-    prep.add_argument("--idx-dir", required=True, help="folder holding train-images-idx3-ubyte(.gz) and the other three")
-    prep.add_argument("--data-dir", default=None, help="tfds data dir to write (default: tfds's own)")
-    args = parser.parse_args(argv)
-    try:
-        path = prepare(args.idx_dir, args.data_dir)
-    except UsageError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return EXIT_BAD_INPUT
-    print(f"prepared mnist in {path}; train with: python train_mnist_mirrored.py --data-dir {args.data_dir or '~/tensorflow_datasets'}")
-    return EXIT_OK
-
-
-if __name__ == "__main__":
-    sys.exit(main())

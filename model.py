@@ -8,8 +8,8 @@ this one line.
 import tensorflow as tf
 import tf_keras as keras
 
-INPUT_SHAPE = (28, 28, 1)
-NUM_CLASSES = 10
+from config import IMAGE_SHAPE, NUM_CLASSES
+
 MIXED_POLICY = "mixed_float16"  # float16 compute on GPUs' tensor cores, float32 weights
 
 
@@ -23,7 +23,7 @@ def use_mixed_precision():
 
 def build_model():
     return keras.Sequential([
-        keras.Input(shape=INPUT_SHAPE),
+        keras.Input(shape=IMAGE_SHAPE),
         keras.layers.Conv2D(32, 3, activation="relu"),
         keras.layers.MaxPooling2D(),
         keras.layers.Flatten(),

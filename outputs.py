@@ -55,12 +55,13 @@ def peak_gpu_memory_mb(strategy):
     return {gpu: round(tf.config.experimental.get_memory_info(gpu)["peak"] / 2**20, 1) for gpu in gpus} or None
 
 
-def results(cfg, strategy, *, parameters, global_batch, plan, train_images, train_seconds, train_cpu_seconds,
-            accuracies):
-    """The figures of results.json; `plan` is where training started (resume.Plan), `accuracies` are the
-    checkpoint's, the reloaded SavedModel's, and the SavedModel's reloaded in the strategy's scope."""
+def results(cfg, strategy, *, parameters, global_batch, plan, train_images, timing, accuracies):
+    """The figures of results.json; `plan` is where training started (resume.Plan), `timing` is `fit`'s wall and
+    CPU seconds and each of its epochs' wall seconds, `accuracies` are the checkpoint's, the reloaded
+    SavedModel's, and the SavedModel's reloaded in the strategy's scope."""
     from callbacks import learning_rate_scale
 
+    train_seconds, train_cpu_seconds, epoch_seconds = timing
     checkpoint, unreplicated, replicated = accuracies
     return {
         "strategy": cfg.strategy,
@@ -77,6 +78,7 @@ def results(cfg, strategy, *, parameters, global_batch, plan, train_images, trai
         "train_seconds": round(train_seconds, 3),
         "train_images_per_s": round(train_images / train_seconds, 1) if train_seconds else None,
         "train_cpu_seconds": round(train_cpu_seconds, 3),
+        "train_epoch_seconds": epoch_seconds,
         "peak_gpu_memory_mb": peak_gpu_memory_mb(strategy),
         "eval_accuracy_checkpoint": float(checkpoint),
         "eval_accuracy_unreplicated": float(unreplicated),

@@ -101,10 +101,11 @@ def make_strategy(cfg, tf):
 
 def fit(cfg, model, train, test, *, plan, work_dir, preemption):
     """Step 4's `fit` with the tutorial's callbacks and the backup, from the plan's position; returns its wall
-    seconds and the CPU seconds this process spent meanwhile (all its threads), which the scaling benchmark
-    compares."""
+    seconds, the CPU seconds this process spent meanwhile (all its threads), and each epoch's wall seconds,
+    which the benchmarks read."""
     import callbacks
 
+    clock = callbacks.EpochClock()
     cbs = callbacks.make_callbacks(cfg, log_dir=os.path.join(work_dir, cfg.log_dir),
                                    checkpoint_dir=cfg.path(cfg.checkpoint_dir), backup_dir=cfg.path(cfg.backup_dir),
                                    plan=plan, preemption=preemption)
@@ -112,9 +113,9 @@ def fit(cfg, model, train, test, *, plan, work_dir, preemption):
     # The backup callback sets Keras's own counters to the plan's epoch and step; initial_epoch says the same.
     # With --validation, Keras evaluates the test split at each epoch's end; TensorBoard's callback writes
     # those figures to a `validation` run beside `train`.
-    model.fit(train, epochs=cfg.epochs, initial_epoch=plan.epoch, steps_per_epoch=plan.steps, callbacks=cbs,
+    model.fit(train, epochs=cfg.epochs, initial_epoch=plan.epoch, steps_per_epoch=plan.steps, callbacks=[*cbs, clock],
               validation_data=test if cfg.validation else None)
-    return time.perf_counter() - start, time.process_time() - start_cpu
+    return time.perf_counter() - start, time.process_time() - start_cpu, clock.epoch_seconds()
 
 
 def run(cfg, preemption):
@@ -137,9 +138,9 @@ def run(cfg, preemption):
         tf.config.experimental.enable_op_determinism()
 
     # Step 2: the data, read before any output is touched so that a bad --data-dir changes nothing. Both splits
-    # are held in memory (47 MB) and batches gathered from there (docs/performance.md).
-    info = data.load(cfg.data_dir, cfg.idx_dir)
-    (train_images, train_labels), test_split = (data.resident_split(info, split) for split in ("train", "test"))
+    # are held in memory (47 MB); training sends only each batch's indices through tf.data (docs/performance.md).
+    info = data.mnist_info(cfg.data_dir, cfg.idx_dir)
+    train_split, test_split = (data.resident_split(info, split) for split in ("train", "test"))
     is_chief = strategy.extended.should_checkpoint
     global_batch = cfg.batch_size_per_replica * strategy.num_replicas_in_sync
     num_train = info.splits["train"].num_examples
@@ -150,9 +151,9 @@ def run(cfg, preemption):
                         epochs=cfg.epochs, overwrite=cfg.overwrite)
     work_dir = outputs.work_dir(cfg, is_chief)
     train = data.distribute(strategy, functools.partial(
-        data.train_dataset, train_images, train_labels, buffer_size=cfg.buffer_size, global_batch=global_batch,
-        seed=cfg.seed, first_epoch=plan.epoch, first_image=plan.image, epoch_images=plan.epoch_images,
-        epochs=cfg.epochs, replicas=strategy.num_replicas_in_sync))
+        data.train_indices, num_train, buffer_size=cfg.buffer_size, global_batch=global_batch, seed=cfg.seed,
+        first_epoch=plan.epoch, first_image=plan.image, epoch_images=plan.epoch_images, epochs=cfg.epochs,
+        replicas=strategy.num_replicas_in_sync))
     test = data.eval_dataset(*test_split, global_batch=global_batch)
 
     # Step 3: the model, compiled inside the strategy's scope.
@@ -164,14 +165,16 @@ def run(cfg, preemption):
         model = compile_model(build_model(), steps_per_execution=cfg.steps_per_execution,
                               jit_compile=cfg.jit_compile, fused_adam=cfg.fused_adam, learning_rate=learning_rate,
                               worker_step_metrics=cfg.worker_step_metrics, allreduce_dtype=cfg.allreduce_dtype)
+    # The training split on every replica's device; each step gathers and scales its own batch there.
+    data.gather_in_train_step(model, data.on_replicas(strategy, *train_split),
+                              weighted=strategy.num_replicas_in_sync > 1)
 
     # Step 4: training, from the first image the backup had not trained.
     if plan.resumed_after_images:
         print(f"Resuming from the backup in {cfg.path(cfg.backup_dir)} at {plan.describe()}")
-    train_seconds, train_cpu_seconds, trained = 0.0, 0.0, plan.train_images(cfg.epochs)
+    timing, trained = (0.0, 0.0, []), plan.train_images(cfg.epochs)
     if trained:
-        train_seconds, train_cpu_seconds = fit(cfg, model, train, test, plan=plan, work_dir=work_dir,
-                                               preemption=preemption)
+        timing = fit(cfg, model, train, test, plan=plan, work_dir=work_dir, preemption=preemption)
 
     # Step 5: the latest checkpoint, restored and evaluated. A non-chief that just trained skips the restore:
     # synchronous training left it the chief's weights, and the chief may still be writing that checkpoint.
@@ -190,8 +193,7 @@ def run(cfg, preemption):
 
     figures = outputs.results(
         cfg, strategy, parameters=model.count_params(), global_batch=global_batch, plan=plan, train_images=trained,
-        train_seconds=train_seconds, train_cpu_seconds=train_cpu_seconds,
-        accuracies=(accuracy_checkpoint, accuracy_unreplicated, accuracy_replicated))
+        timing=timing, accuracies=(accuracy_checkpoint, accuracy_unreplicated, accuracy_replicated))
     preemption.finishing()
     outputs.finish(cfg, figures, is_chief=is_chief, work_dir=work_dir)
     print(json.dumps(figures, indent=2))

@@ -88,7 +88,7 @@ if [ -z "$OUTPUT_DIR" ]; then
   if [ "$DRY_RUN" = 1 ]; then OUTPUT_DIR="<a new temporary folder>"; else OUTPUT_DIR=$(mktemp -d -t mnist-gpu-check-XXXXXX); fi
 fi
 if [ -n "$IDX_DIR" ]; then
-  PREPARE=(python data.py prepare --idx-dir "$IDX_DIR" --data-dir "$OUTPUT_DIR/tfds")
+  PREPARE=(python prepare_mnist.py --idx-dir "$IDX_DIR" --data-dir "$OUTPUT_DIR/tfds")
   DATA_DIR="$OUTPUT_DIR/tfds"
 fi
 

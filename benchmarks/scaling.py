@@ -182,7 +182,7 @@ def print_table(results):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--data-dir", required=True, help="a prepared tfds data dir (python data.py prepare ...)")
+    parser.add_argument("--data-dir", required=True, help="a prepared tfds data dir (python prepare_mnist.py ...)")
     parser.add_argument("--epochs", type=int, default=2, help="epochs per run")
     parser.add_argument("--steps-per-epoch", type=int, default=None, help="train at most this many steps an epoch")
     parser.add_argument("--batches", default="64,256", help="comma-separated per-replica batch sizes")
@@ -201,7 +201,7 @@ def main(argv=None):
         if args.rounds < 1 or args.epochs < 1 or min(batches) < 1:
             raise UsageError("--rounds, --epochs and every --batches size must be at least 1")
         if not os.path.isdir(args.data_dir):
-            raise UsageError(f"--data-dir {args.data_dir} does not exist; prepare it with python data.py prepare")
+            raise UsageError(f"--data-dir {args.data_dir} does not exist; prepare it with python prepare_mnist.py")
     except ValueError:
         print(f"error: --batches {args.batches} is not a comma-separated list of whole numbers; e.g. --batches 64,256",
               file=sys.stderr)

@@ -103,22 +103,22 @@ def idx_dir(tmp_path_factory, mnist_arrays):
 
 @pytest.fixture(scope="session")
 def data_dir(tmp_path_factory, idx_dir):
-    import data
+    import prepare_mnist
 
     target = str(tmp_path_factory.mktemp("tfds") / "data")
-    data.prepare(idx_dir, target)
+    prepare_mnist.prepare(idx_dir, target)
     return target
 
 
 @pytest.fixture(scope="session")
 def resume_data_dir(tmp_path_factory):
     """A larger split (1,600 training images), so that an epoch lasts long enough to be interrupted inside it."""
-    import data
+    import prepare_mnist
 
     rng = np.random.default_rng(99)
     idx = write_idx_dir(tmp_path_factory.mktemp("idx_resume"), {"train": make_split(1600, rng), "test": make_split(64, rng)})
     target = str(tmp_path_factory.mktemp("tfds_resume") / "data")
-    data.prepare(idx, target)
+    prepare_mnist.prepare(idx, target)
     return target
 
 

@@ -157,7 +157,7 @@ def test_missing_prepared_data_points_at_data_py_prepare(tmp_path, monkeypatch, 
     rc = train_mnist_mirrored.main(smoke_args(str(empty), str(tmp_path / "out")))
     line = _one_error_line(capsys)
     assert rc != 0
-    assert "data.py prepare" in line
+    assert "prepare_mnist.py --idx-dir" in line
     assert str(empty) in line
     assert os.listdir(empty) == []  # nothing half-downloaded
     assert not (tmp_path / "out").exists()  # the data is read before any output is touched
@@ -170,7 +170,7 @@ def test_nonexistent_data_dir_points_at_data_py_prepare(tmp_path, monkeypatch, c
     rc = train_mnist_mirrored.main(smoke_args(str(missing), str(tmp_path / "out")))
     line = _one_error_line(capsys)
     assert rc != 0
-    assert "data.py prepare" in line
+    assert "prepare_mnist.py --idx-dir" in line
     assert not missing.exists()
 
 

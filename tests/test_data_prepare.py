@@ -1,4 +1,4 @@
-"""Spec items 7, 8 (data.py part) and 9: the offline prepare path and its refusals of bad input."""
+"""The offline prepare path (prepare_mnist.py) and its refusals of bad input."""
 
 import gzip
 import os
@@ -11,6 +11,7 @@ import pytest
 import tensorflow_datasets as tfds
 
 import data
+import prepare_mnist
 from conftest import (IDX_NAMES, NUM_TEST, NUM_TRAIN, idx_images_bytes, idx_labels_bytes, subprocess_env,
                       write_gz, write_idx_dir)
 
@@ -35,7 +36,7 @@ def test_prepared_dir_reads_back_exactly_what_was_written(data_dir, mnist_arrays
 
 
 def test_data_load_uses_the_prepared_dir(data_dir):
-    info = data.load(data_dir)
+    info = data.mnist_info(data_dir)
     datasets = data.tfds_datasets(data_dir)
     assert info.splits["train"].num_examples == NUM_TRAIN
     image, label = next(iter(datasets["test"]))
@@ -44,7 +45,7 @@ def test_data_load_uses_the_prepared_dir(data_dir):
 
 
 def test_prepare_refuses_an_already_prepared_dir(data_dir, idx_dir, capsys):
-    rc = data.main(["prepare", "--idx-dir", idx_dir, "--data-dir", data_dir])
+    rc = prepare_mnist.main(["--idx-dir", idx_dir, "--data-dir", data_dir])
     err = capsys.readouterr().err.strip().splitlines()
     assert rc != 0
     assert len(err) == 1 and err[0].startswith("error:") and "already" in err[0]
@@ -53,13 +54,13 @@ def test_prepare_refuses_an_already_prepared_dir(data_dir, idx_dir, capsys):
     assert tfds.builder("mnist", data_dir=data_dir).info.splits["train"].num_examples == NUM_TRAIN
 
 
-# ---------------------------------------------------------------- 8. data.py prepare with no files
+# ---------------------------------------------------------------- 8. prepare_mnist.py with no files
 
 def test_prepare_cli_without_idx_files_fails_cleanly(root, tmp_path):
     empty = tmp_path / "no_idx_here"
     empty.mkdir()
     target = tmp_path / "target"
-    proc = subprocess.run([sys.executable, "data.py", "prepare", "--idx-dir", str(empty), "--data-dir", str(target)],
+    proc = subprocess.run([sys.executable, "prepare_mnist.py", "--idx-dir", str(empty), "--data-dir", str(target)],
                           cwd=root, env=subprocess_env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode != 0
     assert "Traceback" not in proc.stderr
@@ -147,7 +148,7 @@ def test_prepare_refuses_bad_idx_input(corrupt, idx_dir, mnist_arrays, tmp_path,
     expected_words = corrupt(bad, mnist_arrays)
     target = tmp_path / "target"
 
-    rc = data.main(["prepare", "--idx-dir", str(bad), "--data-dir", str(target)])
+    rc = prepare_mnist.main(["--idx-dir", str(bad), "--data-dir", str(target)])
 
     captured = capsys.readouterr()
     err = captured.err.strip().splitlines()
@@ -162,7 +163,7 @@ def test_prepare_refuses_bad_idx_input(corrupt, idx_dir, mnist_arrays, tmp_path,
 
 def test_prepare_refuses_a_missing_idx_dir(tmp_path, capsys):
     target = tmp_path / "target"
-    rc = data.main(["prepare", "--idx-dir", str(tmp_path / "nope"), "--data-dir", str(target)])
+    rc = prepare_mnist.main(["--idx-dir", str(tmp_path / "nope"), "--data-dir", str(target)])
     err = capsys.readouterr().err.strip().splitlines()
     assert rc != 0
     assert len(err) == 1 and err[0].startswith("error:") and "not a directory" in err[0]
@@ -178,7 +179,7 @@ def test_prepare_accepts_uncompressed_idx_files(tmp_path, mnist_arrays):
         (raw / name[:-3]).write_bytes(payload)
         os.remove(raw / name)
     target = tmp_path / "target"
-    data.prepare(str(raw), str(target))
+    prepare_mnist.prepare(str(raw), str(target))
     builder = tfds.builder("mnist", data_dir=str(target))
     assert builder.is_prepared()
     assert builder.info.splits["test"].num_examples == NUM_TEST

@@ -17,6 +17,7 @@ import pytest
 import tensorflow as tf
 
 import data
+import prepare_mnist
 from config import EXIT_OK, EXIT_PREEMPTED
 from conftest import ROOT, Worker, finish, free_ports, images_at, make_split, subprocess_env, write_idx_dir
 
@@ -31,7 +32,7 @@ def odd_data_dir(tmp_path_factory):
     idx = write_idx_dir(tmp_path_factory.mktemp("idx_odd"), {"train": make_split(NUM_TRAIN, rng),
                                                              "test": make_split(16, rng)})
     target = str(tmp_path_factory.mktemp("tfds_odd") / "data")
-    data.prepare(idx, target)
+    prepare_mnist.prepare(idx, target)
     return target
 
 

@@ -89,7 +89,7 @@ def test_offline_prepare_says_what_it_does_and_nothing_else(tmp_path, idx_dir, c
     from conftest import NUM_TRAIN
 
     target = tmp_path / "tfds"
-    info = data.load(str(target), idx_dir)
+    info = data.mnist_info(str(target), idx_dir)
     out, err = capfd.readouterr()
     assert info.splits["train"].num_examples == NUM_TRAIN
     assert "dataset_info.json" not in out + err + caplog.text  # absl's warnings reach pytest as log records

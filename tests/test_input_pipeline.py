@@ -1,8 +1,12 @@
 """Step 2's input path: the resident splits are tfds's examples in tfds's order, and the batches gathered from
 them by shuffled indices are the batches of the tutorial's per-example shuffle with the same seed."""
 
+import json
 import os
 import shutil
+import subprocess
+import sys
+import textwrap
 
 import numpy as np
 import pytest
@@ -11,7 +15,7 @@ import tensorflow_datasets as tfds
 
 import data
 import train_mnist_mirrored
-from conftest import NUM_TEST, NUM_TRAIN, smoke_args
+from conftest import NUM_TEST, NUM_TRAIN, ROOT, smoke_args, subprocess_env
 
 BUFFER = 100  # smaller than the split, so the shuffle's buffer matters as it does on MNIST (10,000 of 60,000)
 BATCH = 24  # NUM_TRAIN is not a multiple of it: every epoch ends with a short batch
@@ -20,7 +24,7 @@ SEED = 5
 
 @pytest.fixture(scope="module")
 def loaded(data_dir):
-    info = data.load(data_dir)
+    info = data.mnist_info(data_dir)
     datasets = data.tfds_datasets(data_dir)
     return datasets, info, {split: data.resident_split(info, split) for split in ("train", "test")}
 
@@ -144,3 +148,65 @@ def test_a_corrupt_record_file_is_a_clean_error(data_dir, tmp_path, monkeypatch,
     assert rc == 2
     assert len(err) == 1 and err[0].startswith("error:") and "cannot be read" in err[0] and "prepare" in err[0], err
     assert not (tmp_path / "out").exists()
+
+
+# The run's own path: only indices through tf.data, each step gathering its batch from the resident split. On one
+# replica and on two (whose batches carry the padding weights), a model trained so ends with the weights of the
+# same model trained on the gathered batches themselves.
+IN_STEP_SCRIPT = textwrap.dedent("""
+    import json, sys
+    import numpy as np
+    import tensorflow as tf
+    cpu = tf.config.list_physical_devices("CPU")[0]
+    tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
+    import data
+    from model import build_model, keras
+
+    rng = np.random.default_rng(0)
+    images = tf.constant(rng.integers(0, 256, (17, 28, 28, 1), dtype=np.uint8))
+    labels = tf.constant(rng.integers(0, 10, 17), tf.int64)
+    stream = dict(buffer_size=8, global_batch=8, seed=3, first_epoch=0, first_image=0, epoch_images=17, epochs=2)
+    out = {}
+    for devices in (["/cpu:0"], ["/cpu:0", "/cpu:1"]):
+        strategy = tf.distribute.MirroredStrategy(devices)
+        replicas = len(devices)
+        keras.utils.set_random_seed(1)
+        with strategy.scope():
+            initial = build_model().get_weights()
+        for path in ("batches", "in_step"):
+            with strategy.scope():
+                model = build_model()
+                model.set_weights(initial)
+                model.compile(optimizer=keras.optimizers.SGD(0.5),
+                              loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+            if path == "batches":
+                train = data.train_dataset(images, labels, replicas=replicas, **stream)
+            else:
+                train = data.train_indices(17, replicas=replicas, **stream)
+                resident = data.on_replicas(strategy, images, labels)
+                data.gather_in_train_step(model, resident, weighted=replicas > 1)
+                # One copy of the split on each replica's device, as the weights have.
+                out[f"devices_{replicas}"] = sorted(copy.device for copy in strategy.experimental_local_results(resident[0]))
+            model.fit(train, epochs=2, steps_per_epoch=3, verbose=0)
+            out[f"{path}_{replicas}"] = [w.tolist() for w in model.get_weights()]
+        out[f"initial_{replicas}"] = [w.tolist() for w in initial]
+    json.dump(out, open(sys.argv[1], "w"))
+""")
+
+
+def max_abs_diff(a, b):
+    return max(float(np.max(np.abs(np.asarray(u) - np.asarray(v)))) for u, v in zip(a, b))
+
+
+def test_gathering_in_the_step_trains_as_the_gathered_batches(tmp_path):
+    out = tmp_path / "weights.json"
+    env = {**subprocess_env(), "PYTHONPATH": ROOT}
+    proc = subprocess.run([sys.executable, "-c", IN_STEP_SCRIPT, str(out)], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    weights = json.loads(out.read_text())
+    for replicas in (1, 2):
+        assert max_abs_diff(weights[f"initial_{replicas}"], weights[f"in_step_{replicas}"]) > 1e-3
+        assert max_abs_diff(weights[f"batches_{replicas}"], weights[f"in_step_{replicas}"]) < 1e-6, replicas
+        assert [device.rsplit(":", 2)[-2:] for device in weights[f"devices_{replicas}"]] == \
+            [["CPU", str(i)] for i in range(replicas)]

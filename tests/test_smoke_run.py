@@ -108,6 +108,10 @@ def test_smoke_run_results_json(smoke_ok):
     assert results["train_images_per_s"] > 0
     # CPU seconds of `fit` (the scaling benchmark's images per CPU-second); no GPU here, so no GPU memory figure.
     assert 0 < results["train_cpu_seconds"] and results["peak_gpu_memory_mb"] is None
+    # Each epoch's wall seconds (the benchmarks' split of a run): one per epoch, together within fit's time.
+    epochs = results["train_epoch_seconds"]
+    assert len(epochs) == SMOKE_EPOCHS and all(s > 0 for s in epochs)
+    assert sum(epochs) <= results["train_seconds"] + 0.01
     acc = results["eval_accuracy_checkpoint"]
     assert results["eval_accuracy_unreplicated"] == acc
     assert results["eval_accuracy_replicated"] == acc
