@@ -1,4 +1,4 @@
-"""Where one replica's training step goes: the same steps three ways, alternated in one process.
+"""Where one replica's training step goes: the same steps several ways, alternated in one process.
 
     python benchmarks/step_cost.py --data-dir DIR                   # 30 rounds of an epoch's steps each
     python benchmarks/step_cost.py --idx-dir ../shared/datasets/mnist --rounds 10
@@ -11,12 +11,14 @@ same round. The variants, each with a model of its own:
 
 - ceiling: the train step looping inside one tf.function over batches already in memory (throughput.py's);
 - keras_memory: Keras's own train function (the default run's steps a call) over the same batches, read through
-  tf.data and `data.distribute` as the project reads a single replica's input;
-- keras_project: Keras's train function over the project's input pipeline (`data.train_dataset`: each batch's
-  indices shuffled, its images gathered and scaled on tf.data's thread).
-
-keras_memory against the ceiling is what Keras's loop around the step costs; keras_project against
-keras_memory is what the project's input costs a step.
+  tf.data and `data.distribute` as the run reads a single replica's input: what Keras's loop costs;
+- keras_host: Keras's train function over batches gathered and scaled on tf.data's thread (`data.train_dataset`),
+  the input path before the split was resident on the device;
+- keras_project: the run's own path: only indices through tf.data, each step gathering and scaling its batch
+  from the resident split (`data.train_indices`, `data.gather_in_train_step`), under MirroredStrategy;
+- keras_project_default: the same under no strategy (TensorFlow's default), which shows what MirroredStrategy's
+  handling of one replica costs;
+- keras_project_multiworker: the same under MultiWorkerMirroredStrategy with one worker and no peers.
 """
 
 import argparse
@@ -38,11 +40,14 @@ DEFAULT_ROUNDS = 30
 BASELINE = "ceiling"
 
 
-def keras_steps(strategy, cfg, dataset, calls, steps_per_execution):
-    """`calls` calls of a fresh model's Keras train function, `steps_per_execution` steps each, over `dataset`
-    read as `fit` reads it."""
+def keras_steps(strategy, cfg, make_dataset, calls, steps_per_execution, resident=None):
+    """`calls` calls of a fresh model's Keras train function, `steps_per_execution` steps each, over
+    `make_dataset(share=...)` read as `fit` reads it; with `resident` (images, labels), the dataset carries
+    indices and each step gathers its batch from them, as the run does."""
     model = built_model(strategy, cfg, steps_per_execution=steps_per_execution)
-    iterator = iter(data.distribute(strategy, lambda share: dataset))  # one replica: its share is all
+    if resident is not None:
+        data.gather_in_train_step(model, data.on_replicas(strategy, *resident), weighted=False)
+    iterator = iter(data.distribute(strategy, make_dataset))
     train_function = model.make_train_function()
 
     def run():
@@ -52,7 +57,7 @@ def keras_steps(strategy, cfg, dataset, calls, steps_per_execution):
     return run
 
 
-def variants(info, cfg, strategy, steps):
+def variants(info, cfg, strategies, steps):
     """{name: a function running `steps` training steps}, and the steps each runs, a multiple of the calls'."""
     global_batch = cfg.batch_size_per_replica
     arrays = data.resident_split(info, "train")
@@ -62,16 +67,28 @@ def variants(info, cfg, strategy, steps):
     calls = available // per_call
     steps = calls * per_call
     images, labels = images[:steps], labels[:steps]
-    memory = tf.data.Dataset.from_tensor_slices((images, labels)).repeat()
-    num_train = info.splits["train"].num_examples
-    project = data.train_dataset(*arrays, buffer_size=cfg.buffer_size,
-                                 global_batch=global_batch, seed=cfg.seed, first_epoch=0, first_image=0,
-                                 epoch_images=num_train, epochs=1)
-    return {
-        BASELINE: ceiling_loop(strategy, built_model(strategy, cfg), images, labels),
-        "keras_memory": keras_steps(strategy, cfg, memory, calls, per_call),
-        "keras_project": keras_steps(strategy, cfg, project, calls, per_call),
-    }, steps
+    stream = dict(buffer_size=cfg.buffer_size, global_batch=global_batch, seed=cfg.seed, first_epoch=0,
+                  first_image=0, epoch_images=info.splits["train"].num_examples, epochs=1)
+
+    def memory(share):
+        return data.for_distribution(tf.data.Dataset.from_tensor_slices((images, labels)).repeat())
+
+    def host(share):
+        return data.train_dataset(*arrays, share=share, **stream)
+
+    def indices(share):
+        return data.train_indices(int(arrays[0].shape[0]), share=share, **stream)
+
+    mirrored = strategies["mirrored"]
+    runs = {
+        BASELINE: ceiling_loop(mirrored, built_model(mirrored, cfg), images, labels),
+        "keras_memory": keras_steps(mirrored, cfg, memory, calls, per_call),
+        "keras_host": keras_steps(mirrored, cfg, host, calls, per_call),
+    }
+    for name, strategy in strategies.items():
+        suffix = "" if name == "mirrored" else f"_{name}"
+        runs[f"keras_project{suffix}"] = keras_steps(strategy, cfg, indices, calls, per_call, resident=arrays)
+    return runs, steps
 
 
 def measure(runs, rounds):
@@ -101,10 +118,10 @@ def summarize(times, steps):
 
 
 def print_table(results):
-    print(f"\n{'variant':<15} {'ms a step':>10} {'CPU ms a step':>14} {'x ceiling (paired, median)':>27} {'range':>14}")
+    print(f"\n{'variant':<26} {'ms a step':>10} {'CPU ms a step':>14} {'x ceiling (paired, median)':>27} {'range':>14}")
     for name, figures in results["variants"].items():
         low, high = figures["ratio_range"]
-        print(f"{name:<15} {figures['ms_a_step']:>10.3f} {figures['cpu_ms_a_step']:>14.3f} "
+        print(f"{name:<26} {figures['ms_a_step']:>10.3f} {figures['cpu_ms_a_step']:>14.3f} "
               f"{figures['ratio_to_ceiling']:>27.3f} {low:>6.3f}-{high:<7.3f}")
     print(f"\n{results['rounds']} rounds of {results['steps_a_round']} steps, alternated in one process")
 
@@ -126,7 +143,10 @@ def main(argv=None):
         return EXIT_BAD_INPUT
 
     cfg = Config()
-    runs, steps = variants(info, cfg, tf.distribute.MirroredStrategy(), args.steps)
+    # The multi-worker strategy first: it must configure TensorFlow's collectives before anything else runs.
+    strategies = {"multiworker": tf.distribute.MultiWorkerMirroredStrategy(),
+                  "mirrored": tf.distribute.MirroredStrategy(), "default": tf.distribute.get_strategy()}
+    runs, steps = variants(info, cfg, strategies, args.steps)
     results = summarize(measure(runs, args.rounds), steps)
     print_table(results)
     write_figures(results, args.output)

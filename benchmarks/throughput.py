@@ -4,23 +4,22 @@
     python benchmarks/throughput.py --data-dir DIR --quick                  # 3 epochs, 2 rounds
 
 Each round runs, each in a fresh process (as a real run is): the tutorial's code exactly as it writes it, the
-project's default run, any `--variants` (the project with one change undone), and the compute ceiling. A
-round of a pipeline trains a fresh model `--epochs` full epochs with `fit`; its time is the wall time of
-`fit`, first epoch, tracing and callbacks included. The ceiling is the same train step looping inside one
-tf.function over batches already in memory: no input pipeline, no callbacks, no per-step Python, tracing
-excluded. The headline is the project's median over rounds divided by the ceiling's median. Beside it, with
-two epochs or more, each pipeline's rate over its epochs after the first against the ceiling's, and its fixed
-cost: the seconds a round spends beyond its epochs at that rate (tracing, the first execution, the end of `fit`),
-which decide a short round on a fast core.
+project's default run (`train_mnist_mirrored.py` itself, into a temporary --output-dir, its figures read from
+its results.json), any `--variants` (the same command with other options), and the compute ceiling. A round of
+a pipeline trains a fresh model `--epochs` full epochs with `fit`; its time is the wall time of `fit`, first
+epoch, tracing and callbacks included. The ceiling is the same train step looping inside one tf.function over
+batches already in memory: no input pipeline, no callbacks, no per-step Python, tracing excluded. The headline
+is the project's median over rounds divided by the ceiling's median. Beside it, with two epochs or more, each
+pipeline's rate over its epochs after the first against the ceiling's, and its fixed cost: the seconds a round
+spends beyond its epochs at that rate (tracing, the first execution, the end of `fit`), which decide a short
+round on a fast core.
 
 Wall time suffers when the machine is shared: a virtual machine's host may run other guests on its cores
 (steal time). So each round also reports images per CPU-second of its own process (all threads), which stolen
-time does not count, and the round's steal share. Reading the data before `fit` (the project's resident
-splits; `tfds.load`, which reads lazily, for the tutorial) is reported beside it, in seconds.
+time does not count, and the round's steal share.
 """
 
 import argparse
-import dataclasses
 import json
 import os
 import platform
@@ -31,15 +30,15 @@ import sys
 import tempfile
 import time
 
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
 
+import train_mnist_mirrored  # noqa: E402,F401  (first: it sets TensorFlow's environment as every run has it)
 import tensorflow as tf  # noqa: E402
 
 import callbacks  # noqa: E402
 import data  # noqa: E402
 import outputs  # noqa: E402
-import resume  # noqa: E402
 from config import EXIT_BAD_INPUT, EXIT_OK, Config, UsageError  # noqa: E402
 from model import build_model, compile_model, keras  # noqa: E402
 
@@ -51,17 +50,14 @@ QUICK = {"epochs": 3, "rounds": 2}
 RATES = ("images_per_s", "images_per_cpu_s")  # wall time (what a user waits for), CPU time (what steal does not blur)
 BASELINES = ("ceiling", "tutorial")
 
-# Each variant is the project's default run with one change undone (or, for jit_compile, one more tried):
-# config fields to replace, whether the input path is the previous one or has tf.data's autotuner on, and
-# whether a single replica reads its batches directly (data.distribute) or through Keras's multi-device iterator.
+ENTRYPOINT = os.path.join(ROOT, "train_mnist_mirrored.py")
+# Each variant is the project's default run with other options: one speed default undone, or one more tried.
 VARIANTS = {
-    "project": {},
-    "tfds_stream": {"input": "tfds_stream"},
-    "autotune": {"input": "autotune"},
-    "multi_device_iterator": {"distribute": False},
-    "steps_per_execution_1": {"config": {"steps_per_execution": 1}},
-    "keras_adam": {"config": {"fused_adam": False}},
-    "jit_compile": {"config": {"jit_compile": True}},
+    "project": [],
+    "steps_per_execution_1": ["--steps-per-execution", "1"],
+    "keras_adam": ["--no-fused-adam"],
+    "jit_compile": ["--jit-compile"],
+    "strategy_default": ["--strategy", "default"],
 }
 
 
@@ -97,24 +93,9 @@ def _cpu_model():
 
 # ---------------------------------------------------------------- one round of each pipeline
 
-class EpochEnds(keras.callbacks.Callback):
-    """When each epoch of `fit` ended, after every other callback's work (it comes last): an epoch's time is
-    from the previous one's end, the first's from when `fit` was called."""
-
-    def __init__(self):
-        super().__init__()
-        self.start, self.ends = time.perf_counter(), []
-
-    def on_epoch_end(self, epoch, logs=None):
-        self.ends.append(time.perf_counter())
-
-    def epoch_seconds(self):
-        return [end - start for start, end in zip([self.start, *self.ends], self.ends)]
-
-
 def _timed_fit(model, train, cbs, **fit_args):
     """(wall seconds, CPU seconds, each epoch's seconds) of `model.fit`."""
-    clock = EpochEnds()
+    clock = callbacks.EpochClock()
     _, wall, cpu = timed(lambda: model.fit(train, callbacks=[*cbs, clock], **fit_args))
     return wall, cpu, clock.epoch_seconds()
 
@@ -133,45 +114,21 @@ def tutorial_round(datasets, info, cfg, strategy, epochs, work_dir):
     # a pipe): verbose=0 measured 20-25 % slower here (3 epochs, A B A B: 7,988 and 8,335 against 10,188 and
     # 10,678 images/s), so measuring with it would not measure the run users get.
     wall, cpu, epoch_seconds = _timed_fit(model, train, cbs, epochs=epochs)
-    return info.splits["train"].num_examples * epochs, wall, cpu, 0.0, epoch_seconds
+    return info.splits["train"].num_examples * epochs, wall, cpu, epoch_seconds
 
 
-def tfds_stream(datasets, cfg, global_batch, epochs, steps):
-    """The input path before the resident splits: tfds's per-example stream, cached, with the same seeded shuffle."""
-    cached = datasets["train"].map(data.scale).cache()
-
-    def one_epoch(epoch):
-        shuffled = cached.shuffle(cfg.buffer_size, seed=cfg.seed + epoch, reshuffle_each_iteration=False)
-        return shuffled.batch(global_batch).take(steps)
-
-    return data.for_distribution(tf.data.Dataset.range(epochs).flat_map(one_epoch).repeat())
-
-
-def project_round(datasets, info, cfg, strategy, epochs, work_dir, variant):
-    """The project's default run's input path, compile and callbacks (the ones `train_mnist_mirrored` uses)."""
-    global_batch = cfg.batch_size_per_replica * strategy.num_replicas_in_sync
-    num_train = info.splits["train"].num_examples
-    steps = data.steps_per_epoch(num_train, global_batch)
-    if variant.get("input") == "tfds_stream":
-        train, read = tfds_stream(datasets, cfg, global_batch, epochs, steps), 0.0
-    else:
-        arrays, read, _ = timed(lambda: data.resident_split(info, "train"))
-        train = data.train_dataset(*arrays, buffer_size=cfg.buffer_size, global_batch=global_batch, seed=cfg.seed,
-                                   first_epoch=0, first_image=0, epoch_images=num_train, epochs=epochs)
-    if variant.get("input") == "autotune":
-        options = tf.data.Options()
-        options.autotune.enabled = True
-        train = train.with_options(options)
-    if variant.get("distribute", True):
-        train = data.distribute(strategy, lambda share, ready=train: ready)  # one replica: its share is all
-    with strategy.scope():
-        model = compile_model(build_model(), steps_per_execution=cfg.steps_per_execution,
-                              jit_compile=cfg.jit_compile, fused_adam=cfg.fused_adam)
-    cbs = callbacks.make_callbacks(cfg, log_dir=os.path.join(work_dir, "logs"), checkpoint_dir=os.path.join(work_dir, "ckpt"),
-                                   backup_dir=os.path.join(work_dir, "backup"),
-                                   plan=resume.Plan(resume.Settings.of(cfg, num_examples=num_train, global_batch=global_batch)))
-    wall, cpu, epoch_seconds = _timed_fit(model, train, cbs, epochs=epochs, steps_per_epoch=steps)  # as above
-    return epochs * data.images_per_epoch(steps, global_batch, num_train), wall, cpu, read, epoch_seconds
+def project_round(data_dir, epochs, options):
+    """The project's own run, `train_mnist_mirrored.py` with `options`, in a fresh process: `fit`'s figures from
+    its results.json."""
+    with tempfile.TemporaryDirectory(prefix="mnist-bench-run-") as output_dir:
+        proc = subprocess.run([sys.executable, ENTRYPOINT, "--data-dir", data_dir, "--epochs", str(epochs),
+                               "--output-dir", output_dir, *options], capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise RuntimeError(f"the run {' '.join(options) or '(defaults)'} failed:\n{proc.stderr[-3000:]}")
+        with open(os.path.join(output_dir, Config().results_file)) as f:
+            figures = json.load(f)
+    return (figures["train_images"], figures["train_seconds"], figures["train_cpu_seconds"],
+            figures["train_epoch_seconds"])
 
 
 def resident_batches(arrays, global_batch, steps=None):
@@ -208,7 +165,7 @@ def ceiling_round(info, cfg, strategy, epochs):
     train_epoch = ceiling_loop(strategy, built_model(strategy, cfg), images, labels)
     train_epoch()  # trace and warm up outside the timing
     epoch_seconds, wall, cpu = timed(lambda: [timed(train_epoch)[1] for _ in range(epochs)])
-    return int(images.shape[0]) * global_batch * epochs, wall, cpu, 0.0, epoch_seconds
+    return int(images.shape[0]) * global_batch * epochs, wall, cpu, epoch_seconds
 
 
 def split_fixed_cost(images, wall, epoch_seconds):
@@ -224,32 +181,35 @@ def split_fixed_cost(images, wall, epoch_seconds):
             "fixed_seconds": wall - len(epoch_seconds) * steady_epoch}
 
 
+def rates(images, wall, cpu, epoch_seconds):
+    return {"images_per_s": images / wall, "images_per_cpu_s": images / cpu,
+            **split_fixed_cost(images, wall, epoch_seconds)}
+
+
 def measure_one(name, data_dir, epochs):
-    """One round, in this process: a fresh process per round keeps rounds from slowing each other."""
-    info = data.load(data_dir)
-    datasets = data.tfds_datasets(data_dir)
+    """One round of the tutorial or the ceiling, in this process, which is a fresh one for each round."""
+    info = data.mnist_info(data_dir)
     cfg = Config()
     keras.utils.set_random_seed(cfg.seed)
     strategy = tf.distribute.MirroredStrategy()
+    if name == "ceiling":
+        return ceiling_round(info, cfg, strategy, epochs)
     with tempfile.TemporaryDirectory(prefix="mnist-bench-round-") as work_dir:
-        if name == "tutorial":
-            return tutorial_round(datasets, info, cfg, strategy, epochs, work_dir)
-        if name == "ceiling":
-            return ceiling_round(info, cfg, strategy, epochs)
-        variant = VARIANTS[name]
-        cfg = dataclasses.replace(cfg, **variant.get("config", {}))
-        return project_round(datasets, info, cfg, strategy, epochs, work_dir, variant)
+        return tutorial_round(data.tfds_datasets(data_dir), info, cfg, strategy, epochs, work_dir)
 
 
 def run_one(name, data_dir, epochs):
     """Runs one round in a fresh process; its figures plus the machine's steal share while it ran."""
     before = _cpu_ticks()
-    proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--data-dir", data_dir, "--epochs", str(epochs),
-                           "--one", name], capture_output=True, text=True)
-    marks = [line for line in proc.stdout.splitlines() if line.startswith(RESULT_MARK)]
-    if proc.returncode != 0 or not marks:
-        raise RuntimeError(f"the {name} round failed:\n{proc.stderr[-3000:]}")
-    figures = json.loads(marks[-1][len(RESULT_MARK):])
+    if name in VARIANTS:
+        figures = rates(*project_round(data_dir, epochs, VARIANTS[name]))
+    else:
+        proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--data-dir", data_dir, "--epochs",
+                               str(epochs), "--one", name], capture_output=True, text=True)
+        marks = [line for line in proc.stdout.splitlines() if line.startswith(RESULT_MARK)]
+        if proc.returncode != 0 or not marks:
+            raise RuntimeError(f"the {name} round failed:\n{proc.stderr[-3000:]}")
+        figures = json.loads(marks[-1][len(RESULT_MARK):])
     after = _cpu_ticks()
     stolen = None
     if before and after and after[1] > before[1]:
@@ -259,8 +219,7 @@ def run_one(name, data_dir, epochs):
 
 def _describe(figures):
     steal = "" if figures["steal_percent"] is None else f"   steal {figures['steal_percent']:4.1f} %"
-    return (f"{figures['images_per_s']:8.0f} images/s {figures['images_per_cpu_s']:8.0f} images/CPU-s"
-            f"   read {figures['read_seconds']:5.2f} s{steal}")
+    return f"{figures['images_per_s']:8.0f} images/s {figures['images_per_cpu_s']:8.0f} images/CPU-s{steal}"
 
 
 # ---------------------------------------------------------------- summary
@@ -278,7 +237,6 @@ def summarize(rounds, args):
             prefix = "" if key == "images_per_s" else "cpu_"
             results[f"{prefix}ratio_to_{baseline}"] = {name: round(m / medians[baseline], 3) for name, m in medians.items()}
     results["steal_percent"] = {name: [r["steal_percent"] for r in measured] for name, measured in rounds.items()}
-    results["read_seconds"] = {name: [round(r["read_seconds"], 2) for r in measured] for name, measured in rounds.items()}
     if args.epochs > 1:  # the split needs epochs after the first
         steady = {name: statistics.median(r["steady_images_per_s"] for r in measured) for name, measured in rounds.items()}
         results["median_steady_images_per_s"] = {name: round(rate, 1) for name, rate in steady.items()}
@@ -290,14 +248,14 @@ def summarize(rounds, args):
 def print_table(results):
     split = "steady_ratio_to_ceiling" in results
     print(f"\n{'pipeline':<22} {'images/s':>9} {'x ceiling':>10} {'x tutorial':>11} {'images/CPU-s':>13} "
-          f"{'x ceiling':>10} {'read s':>7} {'steal %':>8}" + (f" {'later epochs x ceiling':>23} {'fixed s':>8}" if split else ""))
+          f"{'x ceiling':>10} {'steal %':>8}" + (f" {'later epochs x ceiling':>23} {'fixed s':>8}" if split else ""))
     for name, wall in results["median_images_per_s"].items():
         steal = [s for s in results["steal_percent"][name] if s is not None]
         later = (f" {results['steady_ratio_to_ceiling'][name]:>23.3f} {statistics.median(results['fixed_seconds'][name]):>8.2f}"
                  if split else "")
         print(f"{name:<22} {wall:>9.0f} {results['ratio_to_ceiling'][name]:>10.3f} "
               f"{results['ratio_to_tutorial'][name]:>11.2f} {results['median_images_per_cpu_s'][name]:>13.0f} "
-              f"{results['cpu_ratio_to_ceiling'][name]:>10.3f} {statistics.median(results['read_seconds'][name]):>7.2f} "
+              f"{results['cpu_ratio_to_ceiling'][name]:>10.3f} "
               f"{statistics.median(steal) if steal else float('nan'):>8.1f}" + later)
     print(f"\nproject: {results['ratio_to_ceiling']['project']:.3f} of the compute ceiling "
           f"(median of {results['rounds']} rounds, {results['epochs_per_round']} epochs each, first epoch included)")
@@ -318,7 +276,7 @@ def prepared_data(args):
     (and prepared from --idx-dir) once, up front; UsageError where it cannot be used."""
     work = tempfile.TemporaryDirectory(prefix="mnist-bench-")
     data_dir = os.path.join(work.name, "tfds") if args.idx_dir else args.data_dir
-    return work, data_dir, data.load(data_dir, args.idx_dir)
+    return work, data_dir, data.mnist_info(data_dir, args.idx_dir)
 
 
 def write_figures(results, path):
@@ -340,9 +298,7 @@ def main(argv=None):
         parser.set_defaults(**QUICK)  # defaults only: --epochs or --rounds given beside --quick still win
     args = parser.parse_args(argv)
     if args.one:
-        images, wall, cpu, read, epoch_seconds = measure_one(args.one, args.data_dir, args.epochs)
-        print(RESULT_MARK + json.dumps({"images_per_s": images / wall, "images_per_cpu_s": images / cpu,
-                                        "read_seconds": read, **split_fixed_cost(images, wall, epoch_seconds)}))
+        print(RESULT_MARK + json.dumps(rates(*measure_one(args.one, args.data_dir, args.epochs))))
         return EXIT_OK
     try:
         names = args.variants.split(",")

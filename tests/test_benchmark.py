@@ -16,11 +16,11 @@ def _bench(*args):
 
 def test_benchmark_writes_sane_figures(tmp_path, idx_dir):
     out = tmp_path / "bench.json"
-    proc = _bench("--idx-dir", idx_dir, "--quick", "--epochs", "2", "--variants", "project,autotune",
+    proc = _bench("--idx-dir", idx_dir, "--quick", "--epochs", "2", "--variants", "project,keras_adam",
                   "--output", str(out))
     assert proc.returncode == 0, proc.stderr[-3000:]
     figures = json.loads(out.read_text())
-    names = {"tutorial", "project", "autotune", "ceiling"}
+    names = {"tutorial", "project", "keras_adam", "ceiling"}
     assert figures["rounds"] == 2 and figures["epochs_per_round"] == 2  # --quick's rounds, --epochs given after it
     for rates_key, prefix in (("images_per_s", ""), ("images_per_cpu_s", "cpu_")):
         assert set(figures[rates_key]) == names
@@ -32,9 +32,6 @@ def test_benchmark_writes_sane_figures(tmp_path, idx_dir):
             assert set(ratios) == names and ratios[baseline] == 1.0
             for name, ratio in ratios.items():
                 assert abs(ratio - medians[name] / medians[baseline]) < 0.01 * ratio + 1e-3
-    # The project reads its resident split before fit, and says how long that took; the tutorial reads lazily.
-    assert all(seconds > 0 for seconds in figures["read_seconds"]["project"])
-    assert figures["read_seconds"]["tutorial"] == [0.0, 0.0]
     # Steal is a share of the machine's CPU time (this test runs on Linux, where /proc/stat gives it).
     for shares in figures["steal_percent"].values():
         assert len(shares) == 2 and all(0 <= share <= 100 for share in shares)
@@ -68,7 +65,7 @@ def test_benchmark_rejects_an_unknown_variant(tmp_path, data_dir):
     assert not (tmp_path / "b.json").exists()
 
 
-def test_step_cost_alternates_three_variants_in_one_process(tmp_path, data_dir):
+def test_step_cost_alternates_the_variants_in_one_process(tmp_path, data_dir):
     out = tmp_path / "step_cost.json"
     proc = subprocess.run([sys.executable, "benchmarks/step_cost.py", "--data-dir", data_dir, "--rounds", "3",
                            "--output", str(out)], cwd=ROOT, env=subprocess_env(), capture_output=True, text=True,
@@ -76,9 +73,10 @@ def test_step_cost_alternates_three_variants_in_one_process(tmp_path, data_dir):
     assert proc.returncode == 0, proc.stderr[-3000:]
     figures = json.loads(out.read_text())
     assert figures["rounds"] == 3 and figures["steps_a_round"] >= 1
-    assert set(figures["variants"]) == {"ceiling", "keras_memory", "keras_project"}
+    assert set(figures["variants"]) == {"ceiling", "keras_memory", "keras_host", "keras_project",
+                                        "keras_project_default", "keras_project_multiworker"}
     assert figures["variants"]["ceiling"]["ratio_to_ceiling"] == 1.0
     for name, variant in figures["variants"].items():
         low, high = variant["ratio_range"]
         assert variant["ms_a_step"] > 0 and variant["cpu_ms_a_step"] > 0 and low <= variant["ratio_to_ceiling"] <= high
-        assert f"{name:<15} {variant['ms_a_step']:>10.3f}" in proc.stdout
+        assert f"{name:<26} {variant['ms_a_step']:>10.3f}" in proc.stdout
