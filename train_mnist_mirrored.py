@@ -67,10 +67,20 @@ def refuse_nccl_without_gpus(cfg, tf):
                          f"name GPUs only, or use {others}")
 
 
+def refuse_xla_collectives_on_cpus(cfg, tf):
+    """XLA compiles no all-reduce between CPU workers (docs/upstream/xla_cpu_collectives.py): the train step would
+    fail and both workers abort once training starts. Between GPUs it compiles."""
+    if cfg.jit_compile and cfg.strategy == "multiworker" and not tf.config.list_physical_devices("GPU"):
+        raise UsageError("--jit-compile cannot compile the all-reduce between --strategy multiworker's workers on "
+                         "CPUs (XLA has no CPU collectives) and this machine has no GPU; drop --jit-compile, or "
+                         "train on one machine with --strategy mirrored")
+
+
 def make_strategy(cfg, tf):
     """Logical CPU devices and GPU memory growth must be set before TensorFlow's runtime starts, hence first of all."""
     gpu_box.refuse_silent_cpu_run(cfg, tf)
     refuse_nccl_without_gpus(cfg, tf)
+    refuse_xla_collectives_on_cpus(cfg, tf)
     if cfg.gpu_memory_growth:
         for gpu in tf.config.list_physical_devices("GPU"):
             tf.config.experimental.set_memory_growth(gpu, True)

@@ -63,9 +63,12 @@ def test_bad_numbers_are_refused(flags, words, quick_args, tmp_path, capsys):
     (["--allreduce-dtype", "bfloat16"], ["--allreduce-dtype bfloat16", "multiworker"]),
     (["--allreduce-dtype", "float16", "--strategy", "multiworker", "--no-fused-adam",
       "--cluster-timeout", "1"], ["--allreduce-dtype float16", "--no-fused-adam"]),
+    (["--devices", "/cpu:0", "--strategy", "default"], ["--devices", "mirrored"]),
+    # XLA reaches no variable on another logical CPU: the compiled step would fail at its first call.
+    (["--jit-compile", "--cpu-replicas", "2"], ["--jit-compile", "--cpu-replicas 2", "drop --jit-compile"]),
 ], ids=["warmup-without-scale", "warmup-1", "cross-device-ops-not-mirrored", "communication-not-multiworker",
         "nccl-on-cpu-replicas", "step-metrics-not-multiworker", "allreduce-dtype-not-multiworker",
-        "allreduce-dtype-without-fused-adam"])
+        "allreduce-dtype-without-fused-adam", "devices-not-mirrored", "jit-compile-on-cpu-replicas"])
 def test_option_combinations_are_refused(flags, words, quick_args, tmp_path, monkeypatch, capsys):
     monkeypatch.delenv("TF_CONFIG", raising=False)
     rc = train_mnist_mirrored.main(quick_args(*flags))
@@ -76,11 +79,22 @@ def test_option_combinations_are_refused(flags, words, quick_args, tmp_path, mon
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize("devices", ["cpu0", "/xpu:0", "0,1", "/gpu:0/gpu:1", "/cpu:*"])
+def test_malformed_devices_are_refused_before_tensorflow_starts(devices, quick_args, tmp_path, capsys):
+    rc = train_mnist_mirrored.main(quick_args("--devices", devices))
+    line = _one_error_line(capsys)
+    assert rc == EXIT_BAD_INPUT
+    assert f"--devices names {devices.split(',')[0]}" in line and "/gpu:0,/gpu:1" in line, line
+    assert not (tmp_path / "out").exists()
+
+
 @pytest.mark.parametrize("flags, words", [
     (["--cross-device-ops", "nccl"], ["--cross-device-ops nccl", "GPU", "reduce-to-one"]),
     (["--strategy", "multiworker", "--communication", "nccl"], ["--communication nccl", "GPU", "ring"]),
-], ids=["mirrored", "multiworker"])
-def test_nccl_without_gpus_is_refused(flags, words, quick_args, tmp_path):
+    # XLA compiles no all-reduce between CPU workers (docs/upstream/xla_cpu_collectives.py); between GPUs it does.
+    (["--strategy", "multiworker", "--jit-compile"], ["--jit-compile", "no GPU", "drop --jit-compile"]),
+], ids=["mirrored", "multiworker", "jit-compile-multiworker"])
+def test_gpu_only_options_without_gpus_are_refused(flags, words, quick_args, tmp_path):
     """Checked where TensorFlow knows the devices, before the strategy exists and before any output.
 
     A real process with every GPU hidden, so the machine has none whether or not the test host has some.
