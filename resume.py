@@ -18,6 +18,7 @@ This is the one place the position is computed. The input stream starts at its i
 schedule counts epochs from it (callbacks.ScaledDecay), and results.json reports it.
 """
 
+import collections
 import dataclasses
 import json
 import math
@@ -184,6 +185,92 @@ def check(position, now, *, epochs, backup_dir):
         begun = f"epoch {position.epoch + 1} begun" if position.image else f"{position.epoch} epochs done"
         raise UsageError(f"--epochs {epochs} is fewer than the backup in {backup_dir} has trained ({begun}); rerun "
                          f"with --epochs {least} or more to resume it, {START_OVER}")
+
+
+# ---------------------------------------------------------------- what the backup's model and optimizer are
+
+# Where Keras's backup checkpoint keeps the model (WorkerTrainingState's `model`) and its optimizer; each variable's
+# value sits under its path plus VALUE, and the legacy (fused) Adam's slots under a variable's OPTIMIZER_SLOT.
+MODEL = "model"
+OPTIMIZER = "optimizer"
+VALUE = "/.ATTRIBUTES/VARIABLE_VALUE"
+OPTIMIZER_SLOT = "/.OPTIMIZER_SLOT/"
+
+
+def model_variables(model):
+    """{path: shape} of the model's own variables as a checkpoint names them (`layer_with_weights-1/kernel`),
+    found as TensorFlow's checkpoint finds them: breadth first through the objects the model tracks, each at the
+    first path that reaches it. The optimizer's are left out."""
+    found, seen, queue = {}, set(), collections.deque([((), model)])
+    while queue:
+        path, node = queue.popleft()
+        for name, child in tf.train.TrackableView(node).children(node).items():
+            if id(child) in seen or (not path and name == OPTIMIZER):
+                continue
+            seen.add(id(child))
+            if isinstance(child, tf.Variable):
+                found["/".join(path + (name,))] = list(child.shape)
+            else:
+                queue.append((path + (name,), child))
+    return found
+
+
+def backed_up_model(checkpoint):
+    """{path: shape} of the model's variables in a backup checkpoint, without its optimizer's."""
+    prefix = MODEL + "/"
+    return {name[len(prefix):-len(VALUE)]: shape for name, shape in tf.train.list_variables(checkpoint)
+            if name.startswith(prefix) and name.endswith(VALUE) and OPTIMIZER_SLOT not in name
+            and not name.startswith(f"{prefix}{OPTIMIZER}/")}
+
+
+def backed_up_optimizer(checkpoint):
+    """The flags the backup's optimizer state shows: the fused Adam (keras.optimizers.legacy.Adam) counts its steps
+    in `iter`, Keras's Adam in `_iterations`; mixed precision's loss scaling keeps a `loss_scale`."""
+    prefix = f"{MODEL}/{OPTIMIZER}/"
+    names = {name for name, _ in tf.train.list_variables(checkpoint)}
+    return {"fused_adam": f"{prefix}iter{VALUE}" in names,
+            "mixed_precision": any(name.startswith(f"{prefix}loss_scale/") for name in names)}
+
+
+# The optimizer's flags a backup's state shows, each way (off, on): the command line, and what the state then holds.
+OPTIMIZER_FLAGS = {
+    "fused_adam": (("with --no-fused-adam", "Keras's Adam's variables"), ("with --fused-adam", "the fused Adam's slots")),
+    "mixed_precision": (("without --mixed-precision", "no loss scale"), ("with --mixed-precision", "a loss scale")),
+}
+
+
+def _shape(shape):
+    return "x".join(map(str, shape)) or "a scalar"
+
+
+def model_differences(then, now):
+    """For people: how the backup's model variables `then` differ from this run's `now`, {path: shape} each."""
+    return ([f"{name} is {_shape(then[name])} in it and {_shape(now[name])} here"
+             for name in sorted(then.keys() & now.keys()) if then[name] != now[name]]
+            + [f"{name} is only in it" for name in sorted(then.keys() - now.keys())]
+            + [f"{name} is only here" for name in sorted(now.keys() - then.keys())])
+
+
+def refuse_another_model(cfg, plan, model):
+    """Raises UsageError, one line naming what differs and the ways out, when the backup `plan` resumes from holds
+    another model (its variables' names or shapes) or another optimizer than this run's `model` and flags: its
+    restore would fail on the first variable that differs, or leave the optimizer's state behind. Checked before
+    training, so the backup is left as it was."""
+    if plan.checkpoint is None:
+        return
+    backup_dir = cfg.path(cfg.backup_dir)
+    differences = model_differences(backed_up_model(plan.checkpoint), model_variables(model))
+    if differences:
+        more = f" (and {len(differences) - 2} more)" if len(differences) > 2 else ""
+        raise UsageError(f"the backup in {backup_dir} holds another model than this run builds: "
+                         f"{'; '.join(differences[:2])}{more}; rerun with the model.py that made it to resume it, "
+                         f"{START_OVER}")
+    then = backed_up_optimizer(plan.checkpoint)
+    for name, ways in OPTIMIZER_FLAGS.items():
+        if then[name] != getattr(cfg, name):
+            (made, holds), (now, _) = ways[then[name]], ways[getattr(cfg, name)]
+            raise UsageError(f"the backup in {backup_dir} was made {made} (its optimizer state holds {holds}), "
+                             f"this run is {now}; rerun {made} to resume it, {START_OVER}")
 
 
 # ---------------------------------------------------------------- this run's steps from the position

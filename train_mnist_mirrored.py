@@ -174,6 +174,8 @@ def run(cfg, preemption):
         model = compile_model(build_model(), steps_per_execution=cfg.steps_per_execution,
                               jit_compile=cfg.jit_compile, fused_adam=cfg.fused_adam, learning_rate=learning_rate,
                               worker_step_metrics=cfg.worker_step_metrics, allreduce_dtype=cfg.allreduce_dtype)
+    # A backup this model or optimizer cannot continue is refused before training writes anything.
+    resume.refuse_another_model(cfg, plan, model)
 
     # Step 4: training, from the first image the backup had not trained.
     if plan.resumed_after_images:
