@@ -223,20 +223,15 @@ def backed_up_model(checkpoint):
             and not name.startswith(f"{prefix}{OPTIMIZER}/")}
 
 
-def backed_up_optimizer(checkpoint):
-    """The flags the backup's optimizer state shows: the fused Adam (keras.optimizers.legacy.Adam) counts its steps
-    in `iter`, Keras's Adam in `_iterations`; mixed precision's loss scaling keeps a `loss_scale`."""
-    prefix = f"{MODEL}/{OPTIMIZER}/"
-    names = {name for name, _ in tf.train.list_variables(checkpoint)}
-    return {"fused_adam": f"{prefix}iter{VALUE}" in names,
-            "mixed_precision": any(name.startswith(f"{prefix}loss_scale/") for name in names)}
+def backed_up_fused_adam(checkpoint):
+    """Whether the backup's optimizer state is the fused Adam's (keras.optimizers.legacy.Adam), which counts its
+    steps in `iter` and keeps its slots beside each variable, rather than Keras's Adam's (`_iterations`, and its
+    slots in `_variables`). Neither restores from the other's state."""
+    return f"{MODEL}/{OPTIMIZER}/iter{VALUE}" in {name for name, _ in tf.train.list_variables(checkpoint)}
 
 
-# The optimizer's flags a backup's state shows, each way (off, on): the command line, and what the state then holds.
-OPTIMIZER_FLAGS = {
-    "fused_adam": (("with --no-fused-adam", "Keras's Adam's variables"), ("with --fused-adam", "the fused Adam's slots")),
-    "mixed_precision": (("without --mixed-precision", "no loss scale"), ("with --mixed-precision", "a loss scale")),
-}
+# --fused-adam as the command line gives it, each way (off, on), and what the backup's optimizer state then holds.
+FUSED_ADAM = (("with --no-fused-adam", "Keras's Adam's variables"), ("with --fused-adam", "the fused Adam's slots"))
 
 
 def _shape(shape):
@@ -253,9 +248,9 @@ def model_differences(then, now):
 
 def refuse_another_model(cfg, plan, model):
     """Raises UsageError, one line naming what differs and the ways out, when the backup `plan` resumes from holds
-    another model (its variables' names or shapes) or another optimizer than this run's `model` and flags: its
-    restore would fail on the first variable that differs, or leave the optimizer's state behind. Checked before
-    training, so the backup is left as it was."""
+    another model (its variables' names or shapes) or another optimizer than this run's `model` and --fused-adam:
+    its restore would fail on the first variable that differs. Checked before training, so the backup is left as
+    it was. (Loss scaling is no such change: --mixed-precision on or off resumes, its loss scale starting afresh.)"""
     if plan.checkpoint is None:
         return
     backup_dir = cfg.path(cfg.backup_dir)
@@ -265,12 +260,11 @@ def refuse_another_model(cfg, plan, model):
         raise UsageError(f"the backup in {backup_dir} holds another model than this run builds: "
                          f"{'; '.join(differences[:2])}{more}; rerun with the model.py that made it to resume it, "
                          f"{START_OVER}")
-    then = backed_up_optimizer(plan.checkpoint)
-    for name, ways in OPTIMIZER_FLAGS.items():
-        if then[name] != getattr(cfg, name):
-            (made, holds), (now, _) = ways[then[name]], ways[getattr(cfg, name)]
-            raise UsageError(f"the backup in {backup_dir} was made {made} (its optimizer state holds {holds}), "
-                             f"this run is {now}; rerun {made} to resume it, {START_OVER}")
+    fused = backed_up_fused_adam(plan.checkpoint)
+    if fused != cfg.fused_adam:
+        (made, holds), (now, _) = FUSED_ADAM[fused], FUSED_ADAM[cfg.fused_adam]
+        raise UsageError(f"the backup in {backup_dir} was made {made} (its optimizer state holds {holds}), this run "
+                         f"is {now}; rerun {made} to resume it, {START_OVER}")
 
 
 # ---------------------------------------------------------------- this run's steps from the position
