@@ -122,7 +122,9 @@ class Config:
 
     steps_per_execution: int = _option(50, "train steps run inside one tf.function call", SPEED)
     fused_adam: bool = _option(True, "Adam through TensorFlow's fused kernel (keras.optimizers.legacy.Adam): same update, fewer ops", SPEED)
-    jit_compile: bool = _option(False, "compile the train step with XLA", SPEED)
+    jit_compile: bool = _option(False, "compile the train step with XLA; not where its all-reduce runs between CPU "
+                                       "devices (--strategy multiworker on CPUs, --cpu-replicas 2 or more), which XLA "
+                                       "cannot compile (docs/multi-gpu.md, \"XLA and the all-reduce\")", SPEED)
     step_metrics: typing.Optional[str] = _option(
         None, "--strategy multiworker: the loss and accuracy each step shows (progress bar, batch-level callbacks): "
               "this worker's running means (worker, also when unset: no all-reduce a step) or all workers' (all: four "
