@@ -4,12 +4,14 @@ own where the test must hide the GPUs)."""
 import json
 import os
 import shutil
+import types
 
 import pytest
 
+import config
 import data
 import train_mnist_mirrored
-from config import EXIT_BAD_INPUT
+from config import EXIT_BAD_INPUT, UsageError
 from conftest import run_entrypoint, smoke_args
 
 CLOSED_PORT = ("127.0.0.1", 9)  # discard port; nothing listens there on a test machine
@@ -217,3 +219,22 @@ def test_devices_this_machine_lacks_are_refused(data_dir, tmp_path, monkeypatch,
     line = _one_error_line(capsys)
     assert "/gpu:7" in line and "cpu:0" in line
     assert not output_dir.exists()
+
+
+# ---------------------------------------------------------------- --jit-compile where XLA compiles the all-reduce
+
+class _Machine:
+    """What the strategy's checks ask TensorFlow about the machine, for GPUs this test machine lacks."""
+
+    def __init__(self, gpus):
+        self.config = types.SimpleNamespace(list_physical_devices=lambda kind=None: ["GPU"] * gpus if kind == "GPU" else [])
+
+
+def test_jit_compile_is_refused_only_where_the_all_reduce_is_between_cpus():
+    multiworker = config.Config(strategy="multiworker", jit_compile=True)
+    with pytest.raises(UsageError, match="--jit-compile"):
+        train_mnist_mirrored.refuse_xla_collectives_on_cpus(multiworker, _Machine(gpus=0))
+    # Workers of GPUs all-reduce between GPUs, which XLA compiles; so do two GPUs of one machine.
+    train_mnist_mirrored.refuse_xla_collectives_on_cpus(multiworker, _Machine(gpus=2))
+    config.validate(config.Config(jit_compile=True, devices="/gpu:0,/gpu:1"))
+    config.validate(config.Config(jit_compile=True, cpu_replicas=1))
