@@ -16,6 +16,11 @@ from conftest import run_entrypoint, smoke_args
 
 CLOSED_PORT = ("127.0.0.1", 9)  # discard port; nothing listens there on a test machine
 
+# `data` imported TensorFlow above, before any run could hold back its start-up lines; TensorFlow's first GPU probe,
+# which an in-process run would then make, prints CUDA's cuInit failure into that test's stderr. Probed once here,
+# as an earlier module does when the whole suite runs; fresh processes (run_entrypoint) show no such line.
+data.tf.config.list_physical_devices()
+
 
 def _one_error_line(capsys):
     err = capsys.readouterr().err
