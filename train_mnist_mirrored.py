@@ -100,10 +100,13 @@ def make_strategy(cfg, tf):
         # MirroredStrategy would accept a device this machine lacks and quietly place work elsewhere.
         known = {tf.DeviceSpec.from_string(d.name).replace(job=None, replica=None, task=None).to_string().lower()
                  for d in tf.config.list_logical_devices()}
-        missing = [d for d in cfg.device_list if tf.DeviceSpec.from_string(d).to_string().lower() not in known]
+        named = [tf.DeviceSpec.from_string(d).to_string().lower() for d in cfg.device_list]
+        missing = [d for d, name in zip(cfg.device_list, named) if name not in known]
         if missing:
             raise UsageError(f"--devices names {', '.join(missing)}, which this machine does not have; "
                              f"choose from {', '.join(sorted(known))}")
+        if len(set(named)) < len(named):  # MirroredStrategy's own check is an assert
+            raise UsageError(f"--devices {cfg.devices} names a device more than once; name each once")
     return tf.distribute.MirroredStrategy(devices=cfg.device_list, cross_device_ops=cross_device_ops(cfg, tf))
 
 

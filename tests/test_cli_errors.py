@@ -214,15 +214,22 @@ def test_rerun_into_finished_output_dir_refuses_without_overwrite(smoke_ok, data
     assert (copy / "saved_model" / "saved_model.pb").is_file()
 
 
-def test_devices_this_machine_lacks_are_refused(data_dir, tmp_path, monkeypatch, capsys):
-    """MirroredStrategy itself would accept /gpu:7 on a CPU-only machine and train elsewhere."""
+@pytest.mark.parametrize("devices, words", [
+    # MirroredStrategy itself would accept /gpu:7 on a CPU-only machine and train elsewhere.
+    ("/gpu:7", ["/gpu:7", "cpu:0"]),
+    # Two spellings of one device: MirroredStrategy's own check is an AssertionError.
+    ("/cpu:0,CPU:0", ["/cpu:0,CPU:0", "more than once"]),
+], ids=["lacking", "twice"])
+def test_devices_this_machine_lacks_or_named_twice_are_refused(devices, words, data_dir, tmp_path, monkeypatch,
+                                                                capsys):
     monkeypatch.delenv("TF_CONFIG", raising=False)
     output_dir = tmp_path / "out"
     rc = train_mnist_mirrored.main(["--epochs", "1", "--steps-per-epoch", "3", "--data-dir", data_dir,
-                                    "--output-dir", str(output_dir), "--devices", "/gpu:7"])
-    assert rc != 0
+                                    "--output-dir", str(output_dir), "--devices", devices])
+    assert rc == EXIT_BAD_INPUT
     line = _one_error_line(capsys)
-    assert "/gpu:7" in line and "cpu:0" in line
+    for word in words:
+        assert word in line, line
     assert not output_dir.exists()
 
 
