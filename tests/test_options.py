@@ -18,9 +18,9 @@ RUNS = {
                  "--allreduce-dtype", "float32"],
                 {"strategy": "mirrored", "replicas": 1, "cross_device_ops": "reduce-to-one"}),
 }
-# Two workers on loopback, with the multi-worker choices no other run makes, and mixed precision beside them.
+# Two workers on loopback, with the multi-worker choices no other run makes, mixed precision and validation beside them.
 MULTIWORKER = ["--strategy", "multiworker", "--communication", "auto", "--step-metrics", "all",
-               "--allreduce-dtype", "float16", "--mixed-precision"]
+               "--allreduce-dtype", "float16", "--mixed-precision", "--validation"]
 
 
 @pytest.fixture(scope="module", params=sorted(RUNS))
@@ -62,3 +62,4 @@ def test_two_workers_with_every_multiworker_choice_run_to_the_end(tmp_path, data
     assert (results["replicas"], results["communication"], results["step_metrics"], results["allreduce_dtype"],
             results["mixed_precision"]) == (2, "auto", "all", "float16", True)
     assert results["eval_accuracy_checkpoint"] == results["eval_accuracy_unreplicated"] > 0.5
+    assert " - val_loss: " in workers[0].stdout and os.path.isdir(os.path.join(output_dir, "logs", "validation"))
