@@ -8,6 +8,7 @@ This module imports nothing heavy, so a bad flag is reported before TensorFlow s
 import argparse
 import dataclasses
 import os
+import re
 import tempfile
 import typing
 
@@ -125,7 +126,9 @@ class Config:
 
     steps_per_execution: int = _option(50, "train steps run inside one tf.function call", SPEED)
     fused_adam: bool = _option(True, "Adam through TensorFlow's fused kernel (keras.optimizers.legacy.Adam): same update, fewer ops", SPEED)
-    jit_compile: bool = _option(False, "compile the train step with XLA", SPEED)
+    jit_compile: bool = _option(False, "compile the train step with XLA; not where its all-reduce runs between CPU "
+                                       "devices (--strategy multiworker on CPUs, --cpu-replicas 2 or more), which XLA "
+                                       "cannot compile (docs/multi-gpu.md, \"XLA and the all-reduce\")", SPEED)
     step_metrics: typing.Optional[str] = _option(
         None, "--strategy multiworker: the loss and accuracy each step shows (progress bar, batch-level callbacks): "
               "this worker's running means (worker, also when unset: no all-reduce a step) or all workers' (all: four "
@@ -172,6 +175,11 @@ class Config:
         return None
 
 
+# What --devices may name: a CPU or GPU by number, as tf.DeviceSpec reads it, e.g. /gpu:0, GPU:1, /device:CPU:0 or
+# /job:localhost/replica:0/task:0/device:GPU:0; checked here, before TensorFlow starts.
+DEVICE_NAME = re.compile(r"(/job:\w+)?(/replica:\d+)?(/task:\d+)?/?(device:)?(cpu|gpu):\d+", re.IGNORECASE)
+
+
 def _positive(name, value):
     if value is not None and value < 1:
         raise UsageError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
@@ -198,6 +206,19 @@ def validate(cfg):
         raise UsageError("--cpu-replicas and --devices both choose the devices; give only one")
     if cfg.devices is not None and not cfg.device_list:
         raise UsageError("--devices is empty; name devices like /gpu:0,/gpu:1 or leave it out")
+    if cfg.devices and cfg.strategy != "mirrored":
+        raise UsageError("--devices chooses MirroredStrategy's devices, so it works with --strategy mirrored only; "
+                         "drop one of them")
+    malformed = [d for d in cfg.device_list or [] if not DEVICE_NAME.fullmatch(d)]
+    if malformed:
+        raise UsageError(f"--devices names {', '.join(malformed)}, which {'is' if len(malformed) == 1 else 'are'} "
+                         "not a device; name devices like /gpu:0,/gpu:1 (or /cpu:0), comma-separated")
+    if cfg.jit_compile and cfg.cpu_replicas > 1:
+        # Each replica's variables live on its own logical CPU, which the compiled step of another cannot reach
+        # (XLA's known issue "tf.Variable on a different device").
+        raise UsageError(f"--jit-compile cannot compile a step mirrored across --cpu-replicas {cfg.cpu_replicas}: "
+                         "XLA reaches no variable on another CPU device; drop --jit-compile, or --cpu-replicas to "
+                         "train on one device")
     if cfg.slurm_port_base is not None and not 1 <= cfg.slurm_port_base <= MAX_PORT:
         raise UsageError(f"--slurm-port-base must be a port number, 1-{MAX_PORT}, got {cfg.slurm_port_base}")
     if cfg.warmup_epochs < 0:

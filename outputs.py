@@ -43,7 +43,14 @@ def work_dir(cfg, is_chief):
 
 
 def device_names(strategy):
-    return list(getattr(strategy.extended, "worker_devices", ["/cpu:0"]))
+    """The devices the strategy trains on. The default strategy (--strategy default) has none of its own: its
+    worker_devices raises RuntimeError, and TensorFlow places its work on the first GPU, else on the CPU."""
+    import tensorflow as tf
+
+    try:
+        return list(strategy.extended.worker_devices)
+    except RuntimeError:
+        return [(tf.config.list_logical_devices("GPU") or tf.config.list_logical_devices("CPU"))[0].name]
 
 
 def peak_gpu_memory_mb(strategy):

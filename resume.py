@@ -18,6 +18,7 @@ This is the one place the position is computed. The input stream starts at its i
 schedule counts epochs from it (callbacks.ScaledDecay), and results.json reports it.
 """
 
+import collections
 import dataclasses
 import json
 import math
@@ -184,6 +185,86 @@ def check(position, now, *, epochs, backup_dir):
         begun = f"epoch {position.epoch + 1} begun" if position.image else f"{position.epoch} epochs done"
         raise UsageError(f"--epochs {epochs} is fewer than the backup in {backup_dir} has trained ({begun}); rerun "
                          f"with --epochs {least} or more to resume it, {START_OVER}")
+
+
+# ---------------------------------------------------------------- what the backup's model and optimizer are
+
+# Where Keras's backup checkpoint keeps the model (WorkerTrainingState's `model`) and its optimizer; each variable's
+# value sits under its path plus VALUE, and the legacy (fused) Adam's slots under a variable's OPTIMIZER_SLOT.
+MODEL = "model"
+OPTIMIZER = "optimizer"
+VALUE = "/.ATTRIBUTES/VARIABLE_VALUE"
+OPTIMIZER_SLOT = "/.OPTIMIZER_SLOT/"
+
+
+def model_variables(model):
+    """{path: shape} of the model's own variables as a checkpoint names them (`layer_with_weights-1/kernel`),
+    found as TensorFlow's checkpoint finds them: breadth first through the objects the model tracks, each at the
+    first path that reaches it. The optimizer's are left out."""
+    found, seen, queue = {}, set(), collections.deque([((), model)])
+    while queue:
+        path, node = queue.popleft()
+        for name, child in tf.train.TrackableView(node).children(node).items():
+            if id(child) in seen or (not path and name == OPTIMIZER):
+                continue
+            seen.add(id(child))
+            if isinstance(child, tf.Variable):
+                found["/".join(path + (name,))] = list(child.shape)
+            else:
+                queue.append((path + (name,), child))
+    return found
+
+
+def backed_up_model(checkpoint):
+    """{path: shape} of the model's variables in a backup checkpoint, without its optimizer's."""
+    prefix = MODEL + "/"
+    return {name[len(prefix):-len(VALUE)]: shape for name, shape in tf.train.list_variables(checkpoint)
+            if name.startswith(prefix) and name.endswith(VALUE) and OPTIMIZER_SLOT not in name
+            and not name.startswith(f"{prefix}{OPTIMIZER}/")}
+
+
+def backed_up_fused_adam(checkpoint):
+    """Whether the backup's optimizer state is the fused Adam's (keras.optimizers.legacy.Adam), which counts its
+    steps in `iter` and keeps its slots beside each variable, rather than Keras's Adam's (`_iterations`, and its
+    slots in `_variables`). Neither restores from the other's state."""
+    return f"{MODEL}/{OPTIMIZER}/iter{VALUE}" in {name for name, _ in tf.train.list_variables(checkpoint)}
+
+
+# --fused-adam as the command line gives it, each way (off, on), and what the backup's optimizer state then holds.
+FUSED_ADAM = (("with --no-fused-adam", "Keras's Adam's variables"), ("with --fused-adam", "the fused Adam's slots"))
+
+
+def _shape(shape):
+    return "x".join(map(str, shape)) or "a scalar"
+
+
+def model_differences(then, now):
+    """For people: how the backup's model variables `then` differ from this run's `now`, {path: shape} each."""
+    return ([f"{name} is {_shape(then[name])} in it and {_shape(now[name])} here"
+             for name in sorted(then.keys() & now.keys()) if then[name] != now[name]]
+            + [f"{name} is only in it" for name in sorted(then.keys() - now.keys())]
+            + [f"{name} is only here" for name in sorted(now.keys() - then.keys())])
+
+
+def refuse_another_model(cfg, plan, model):
+    """Raises UsageError, one line naming what differs and the ways out, when the backup `plan` resumes from holds
+    another model (its variables' names or shapes) or another optimizer than this run's `model` and --fused-adam:
+    its restore would fail on the first variable that differs. Checked before training, so the backup is left as
+    it was. (Loss scaling is no such change: --mixed-precision on or off resumes, its loss scale starting afresh.)"""
+    if plan.checkpoint is None:
+        return
+    backup_dir = cfg.path(cfg.backup_dir)
+    differences = model_differences(backed_up_model(plan.checkpoint), model_variables(model))
+    if differences:
+        more = f" (and {len(differences) - 2} more)" if len(differences) > 2 else ""
+        raise UsageError(f"the backup in {backup_dir} holds another model than this run builds: "
+                         f"{'; '.join(differences[:2])}{more}; rerun with the model.py that made it to resume it, "
+                         f"{START_OVER}")
+    fused = backed_up_fused_adam(plan.checkpoint)
+    if fused != cfg.fused_adam:
+        (made, holds), (now, _) = FUSED_ADAM[fused], FUSED_ADAM[cfg.fused_adam]
+        raise UsageError(f"the backup in {backup_dir} was made {made} (its optimizer state holds {holds}), this run "
+                         f"is {now}; rerun {made} to resume it, {START_OVER}")
 
 
 # ---------------------------------------------------------------- this run's steps from the position

@@ -67,10 +67,20 @@ def refuse_nccl_without_gpus(cfg, tf):
                          f"name GPUs only, or use {others}")
 
 
+def refuse_xla_collectives_on_cpus(cfg, tf):
+    """XLA compiles no all-reduce between CPU workers (docs/upstream/xla_cpu_collectives.py): the train step would
+    fail and both workers abort once training starts. Between GPUs it compiles."""
+    if cfg.jit_compile and cfg.strategy == "multiworker" and not tf.config.list_physical_devices("GPU"):
+        raise UsageError("--jit-compile cannot compile the all-reduce between --strategy multiworker's workers on "
+                         "CPUs (XLA has no CPU collectives) and this machine has no GPU; drop --jit-compile, or "
+                         "train on one machine with --strategy mirrored")
+
+
 def make_strategy(cfg, tf):
     """Logical CPU devices and GPU memory growth must be set before TensorFlow's runtime starts, hence first of all."""
     gpu_box.refuse_silent_cpu_run(cfg, tf)
     refuse_nccl_without_gpus(cfg, tf)
+    refuse_xla_collectives_on_cpus(cfg, tf)
     if cfg.gpu_memory_growth:
         for gpu in tf.config.list_physical_devices("GPU"):
             tf.config.experimental.set_memory_growth(gpu, True)
@@ -90,10 +100,13 @@ def make_strategy(cfg, tf):
         # MirroredStrategy would accept a device this machine lacks and quietly place work elsewhere.
         known = {tf.DeviceSpec.from_string(d.name).replace(job=None, replica=None, task=None).to_string().lower()
                  for d in tf.config.list_logical_devices()}
-        missing = [d for d in cfg.device_list if tf.DeviceSpec.from_string(d).to_string().lower() not in known]
+        named = [tf.DeviceSpec.from_string(d).to_string().lower() for d in cfg.device_list]
+        missing = [d for d, name in zip(cfg.device_list, named) if name not in known]
         if missing:
             raise UsageError(f"--devices names {', '.join(missing)}, which this machine does not have; "
                              f"choose from {', '.join(sorted(known))}")
+        if len(set(named)) < len(named):  # MirroredStrategy's own check is an assert
+            raise UsageError(f"--devices {cfg.devices} names a device more than once; name each once")
     return tf.distribute.MirroredStrategy(devices=cfg.device_list, cross_device_ops=cross_device_ops(cfg, tf))
 
 
@@ -165,6 +178,8 @@ def run(cfg, preemption):
         model = compile_model(build_model(), steps_per_execution=cfg.steps_per_execution,
                               jit_compile=cfg.jit_compile, fused_adam=cfg.fused_adam, learning_rate=learning_rate,
                               worker_step_metrics=cfg.worker_step_metrics, allreduce_dtype=cfg.allreduce_dtype)
+    # A backup this model or optimizer cannot continue is refused before training writes anything.
+    resume.refuse_another_model(cfg, plan, model)
     # The training split on every replica's device; each step gathers and scales its own batch there.
     data.gather_in_train_step(model, data.on_replicas(strategy, *train_split),
                               weighted=strategy.num_replicas_in_sync > 1)

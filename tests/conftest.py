@@ -334,3 +334,7 @@ def final_weights(output_dir, epochs):
     names = sorted(n for n, _ in tf.train.list_variables(path) if n.startswith("layer_with_weights"))
     assert names, "the checkpoint must hold the model's layers"
     return {n: ckpt.get_tensor(n) for n in names}
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "slow: a test of more than about 10 s (real training processes)")

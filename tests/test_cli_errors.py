@@ -4,15 +4,22 @@ own where the test must hide the GPUs)."""
 import json
 import os
 import shutil
+import types
 
 import pytest
 
+import config
 import data
 import train_mnist_mirrored
-from config import EXIT_BAD_INPUT
+from config import EXIT_BAD_INPUT, UsageError
 from conftest import run_entrypoint, smoke_args
 
 CLOSED_PORT = ("127.0.0.1", 9)  # discard port; nothing listens there on a test machine
+
+# `data` imported TensorFlow above, before any run could hold back its start-up lines; TensorFlow's first GPU probe,
+# which an in-process run would then make, prints CUDA's cuInit failure into that test's stderr. Probed once here,
+# as an earlier module does when the whole suite runs; fresh processes (run_entrypoint) show no such line.
+data.tf.config.list_physical_devices()
 
 
 def _one_error_line(capsys):
@@ -63,9 +70,12 @@ def test_bad_numbers_are_refused(flags, words, quick_args, tmp_path, capsys):
     (["--allreduce-dtype", "bfloat16"], ["--allreduce-dtype bfloat16", "multiworker"]),
     (["--allreduce-dtype", "float16", "--strategy", "multiworker", "--no-fused-adam",
       "--cluster-timeout", "1"], ["--allreduce-dtype float16", "--no-fused-adam"]),
+    (["--devices", "/cpu:0", "--strategy", "default"], ["--devices", "mirrored"]),
+    # XLA reaches no variable on another logical CPU: the compiled step would fail at its first call.
+    (["--jit-compile", "--cpu-replicas", "2"], ["--jit-compile", "--cpu-replicas 2", "drop --jit-compile"]),
 ], ids=["warmup-without-scale", "warmup-1", "cross-device-ops-not-mirrored", "communication-not-multiworker",
         "nccl-on-cpu-replicas", "step-metrics-not-multiworker", "allreduce-dtype-not-multiworker",
-        "allreduce-dtype-without-fused-adam"])
+        "allreduce-dtype-without-fused-adam", "devices-not-mirrored", "jit-compile-on-cpu-replicas"])
 def test_option_combinations_are_refused(flags, words, quick_args, tmp_path, monkeypatch, capsys):
     monkeypatch.delenv("TF_CONFIG", raising=False)
     rc = train_mnist_mirrored.main(quick_args(*flags))
@@ -76,11 +86,22 @@ def test_option_combinations_are_refused(flags, words, quick_args, tmp_path, mon
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize("devices", ["cpu0", "/xpu:0", "0,1", "/gpu:0/gpu:1", "/cpu:*"])
+def test_malformed_devices_are_refused_before_tensorflow_starts(devices, quick_args, tmp_path, capsys):
+    rc = train_mnist_mirrored.main(quick_args("--devices", devices))
+    line = _one_error_line(capsys)
+    assert rc == EXIT_BAD_INPUT
+    assert f"--devices names {devices.split(',')[0]}" in line and "/gpu:0,/gpu:1" in line, line
+    assert not (tmp_path / "out").exists()
+
+
 @pytest.mark.parametrize("flags, words", [
     (["--cross-device-ops", "nccl"], ["--cross-device-ops nccl", "GPU", "reduce-to-one"]),
     (["--strategy", "multiworker", "--communication", "nccl"], ["--communication nccl", "GPU", "ring"]),
-], ids=["mirrored", "multiworker"])
-def test_nccl_without_gpus_is_refused(flags, words, quick_args, tmp_path):
+    # XLA compiles no all-reduce between CPU workers (docs/upstream/xla_cpu_collectives.py); between GPUs it does.
+    (["--strategy", "multiworker", "--jit-compile"], ["--jit-compile", "no GPU", "drop --jit-compile"]),
+], ids=["mirrored", "multiworker", "jit-compile-multiworker"])
+def test_gpu_only_options_without_gpus_are_refused(flags, words, quick_args, tmp_path):
     """Checked where TensorFlow knows the devices, before the strategy exists and before any output.
 
     A real process with every GPU hidden, so the machine has none whether or not the test host has some.
@@ -193,13 +214,39 @@ def test_rerun_into_finished_output_dir_refuses_without_overwrite(smoke_ok, data
     assert (copy / "saved_model" / "saved_model.pb").is_file()
 
 
-def test_devices_this_machine_lacks_are_refused(data_dir, tmp_path, monkeypatch, capsys):
-    """MirroredStrategy itself would accept /gpu:7 on a CPU-only machine and train elsewhere."""
+@pytest.mark.parametrize("devices, words", [
+    # MirroredStrategy itself would accept /gpu:7 on a CPU-only machine and train elsewhere.
+    ("/gpu:7", ["/gpu:7", "cpu:0"]),
+    # Two spellings of one device: MirroredStrategy's own check is an AssertionError.
+    ("/cpu:0,CPU:0", ["/cpu:0,CPU:0", "more than once"]),
+], ids=["lacking", "twice"])
+def test_devices_this_machine_lacks_or_named_twice_are_refused(devices, words, data_dir, tmp_path, monkeypatch,
+                                                                capsys):
     monkeypatch.delenv("TF_CONFIG", raising=False)
     output_dir = tmp_path / "out"
     rc = train_mnist_mirrored.main(["--epochs", "1", "--steps-per-epoch", "3", "--data-dir", data_dir,
-                                    "--output-dir", str(output_dir), "--devices", "/gpu:7"])
-    assert rc != 0
+                                    "--output-dir", str(output_dir), "--devices", devices])
+    assert rc == EXIT_BAD_INPUT
     line = _one_error_line(capsys)
-    assert "/gpu:7" in line and "cpu:0" in line
+    for word in words:
+        assert word in line, line
     assert not output_dir.exists()
+
+
+# ---------------------------------------------------------------- --jit-compile where XLA compiles the all-reduce
+
+class _Machine:
+    """What the strategy's checks ask TensorFlow about the machine, for GPUs this test machine lacks."""
+
+    def __init__(self, gpus):
+        self.config = types.SimpleNamespace(list_physical_devices=lambda kind=None: ["GPU"] * gpus if kind == "GPU" else [])
+
+
+def test_jit_compile_is_refused_only_where_the_all_reduce_is_between_cpus():
+    multiworker = config.Config(strategy="multiworker", jit_compile=True)
+    with pytest.raises(UsageError, match="--jit-compile"):
+        train_mnist_mirrored.refuse_xla_collectives_on_cpus(multiworker, _Machine(gpus=0))
+    # Workers of GPUs all-reduce between GPUs, which XLA compiles; so do two GPUs of one machine.
+    train_mnist_mirrored.refuse_xla_collectives_on_cpus(multiworker, _Machine(gpus=2))
+    config.validate(config.Config(jit_compile=True, devices="/gpu:0,/gpu:1"))
+    config.validate(config.Config(jit_compile=True, cpu_replicas=1))

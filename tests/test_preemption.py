@@ -28,8 +28,8 @@ def _args(data_dir, output_dir, *extra):
     return [*FLAGS, "--data-dir", data_dir, "--output-dir", output_dir, *extra]
 
 
-def _finish(data_dir, output_dir):
-    proc = run_entrypoint(_args(data_dir, output_dir), os.path.dirname(output_dir))
+def _finish(data_dir, output_dir, *extra):
+    proc = run_entrypoint(_args(data_dir, output_dir, *extra), os.path.dirname(output_dir))
     assert proc.returncode == 0, proc.stderr[-3000:]
     with open(os.path.join(output_dir, "results.json")) as f:
         return proc, json.load(f)
@@ -59,9 +59,12 @@ def _assert_bit_identical(output_dir, expected):
         np.testing.assert_array_equal(got[name], expected[name], err_msg=name)
 
 
-def test_sigterm_saves_exits_143_and_resumes_bit_identical(tmp_path, resume_data_dir, uninterrupted):
+# The default strategy (no distribution) backs up and resumes as MirroredStrategy on one device does, to the bit.
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["mirrored", "default"])
+def test_sigterm_saves_exits_143_and_resumes_bit_identical(strategy, tmp_path, resume_data_dir, uninterrupted):
     output_dir = str(tmp_path / "out")
-    proc = Worker(_args(resume_data_dir, output_dir), {}, tmp_path, "run")
+    proc = Worker(_args(resume_data_dir, output_dir, "--strategy", strategy), {}, tmp_path, "run")
     try:
         proc.wait_for(f"Epoch 2/{EPOCHS}")
         sent = time.monotonic()
@@ -83,8 +86,8 @@ def test_sigterm_saves_exits_143_and_resumes_bit_identical(tmp_path, resume_data
     assert epoch == 1 and 0 < step < STEPS
     assert f"saved at epoch 2, image {position.image:,} of {STEPS * BATCH:,};" in last
 
-    resumed, results = _finish(resume_data_dir, output_dir)
-    assert results["resumed_from_step"] == STEPS + step
+    resumed, results = _finish(resume_data_dir, output_dir, "--strategy", strategy)
+    assert results["resumed_from_step"] == STEPS + step and results["strategy"] == strategy
     _assert_resumed_inside_epoch_2(resumed, results)
     _assert_bit_identical(output_dir, uninterrupted)
 

@@ -1,0 +1,98 @@
+"""A backup the command cannot continue (another model, another optimizer) is refused in one line, exit 2, naming
+what differs and both ways out, and the output folder, backup included, is left byte for byte as it was. The
+backup is a real one: a run of the entrypoint pre-empted inside its second epoch."""
+
+import hashlib
+import os
+import pathlib
+import shutil
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from config import EXIT_BAD_INPUT, EXIT_PREEMPTED
+from conftest import ROOT, Worker, finish, subprocess_env
+
+FLAGS = ["--epochs", "2", "--batch-size-per-replica", "8", "--steps-per-execution", "5"]
+
+# The template as a user adapts it: one more Conv2D block in model.build_model, the rest of the entrypoint as it is.
+ADAPTED = """
+import sys
+
+import terminal
+import train_mnist_mirrored  # sets TensorFlow's environment, as a run does
+
+terminal.start_tensorflow(verbose=False)  # its start-up notices held back, as in a run
+import model
+from model import keras
+
+
+def build_model():
+    return keras.Sequential([
+        keras.Input(shape=model.INPUT_SHAPE),
+        keras.layers.Conv2D(32, 3, activation="relu"),
+        keras.layers.MaxPooling2D(),
+        keras.layers.Conv2D(64, 3, activation="relu"),
+        keras.layers.MaxPooling2D(),
+        keras.layers.Flatten(),
+        keras.layers.Dense(64, activation="relu"),
+        keras.layers.Dense(model.NUM_CLASSES, dtype="float32"),
+    ])
+
+
+model.build_model = build_model
+sys.exit(train_mnist_mirrored.main(sys.argv[1:]))
+"""
+
+
+def _args(data_dir, output_dir, *extra):
+    return [*FLAGS, "--data-dir", data_dir, "--output-dir", output_dir, *extra]
+
+
+def _contents(folder):
+    """{path: sha256} of every file under `folder`."""
+    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(pathlib.Path(folder).rglob("*")) if p.is_file()}
+
+
+@pytest.fixture(scope="module")
+def preempted(tmp_path_factory, resume_data_dir):
+    """The output folder of a default run (fused Adam, the tutorial's model) pre-empted inside epoch 2."""
+    directory = tmp_path_factory.mktemp("foreign_backup")
+    output_dir = str(directory / "out")
+    worker = Worker(_args(resume_data_dir, output_dir), {}, directory, "run")
+    try:
+        worker.wait_for("Epoch 2/2")
+        worker.proc.send_signal(signal.SIGTERM)
+    finally:
+        finish([worker], timeout=120)
+    assert worker.returncode == EXIT_PREEMPTED, worker.stderr[-3000:]
+    assert os.path.isdir(os.path.join(output_dir, "backup"))
+    return output_dir
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("program, extra, words", [
+    # Keras's own Adam would find none of the fused Adam's slots (tf_keras: "a legacy TF-Keras optimizer").
+    ("train_mnist_mirrored.py", ["--no-fused-adam"],
+     ["made with --fused-adam", "this run is with --no-fused-adam", "rerun with --fused-adam"]),
+    # One more Conv2D block: the first Dense layer's input is 1,600 wide, not 5,408 (tf_keras: "Shape mismatch").
+    (ADAPTED, [], ["another model", "layer_with_weights-1/kernel is 5408x64 in it and 3x3x32x64 here",
+                   "layer_with_weights-2/bias is 10 in it and 64 here (and 3 more)", "the model.py that made it"]),
+], ids=["no-fused-adam", "another-model"])
+def test_a_backup_the_command_cannot_continue_is_refused_and_kept(program, extra, words, preempted, tmp_path,
+                                                                  resume_data_dir):
+    output_dir = str(tmp_path / "out")
+    shutil.copytree(preempted, output_dir)
+    before = _contents(output_dir)
+    command = ["train_mnist_mirrored.py"] if program.endswith(".py") else ["-c", program]
+    proc = subprocess.run([sys.executable, *command, *_args(resume_data_dir, output_dir, *extra)], cwd=ROOT,
+                          env=subprocess_env(), capture_output=True, text=True, timeout=300)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == EXIT_BAD_INPUT, proc.stderr[-3000:]
+    assert len(lines) == 1 and lines[0].startswith("error: the backup in "), proc.stderr[-3000:]
+    for word in [*words, "to resume it, or add --overwrite to start over"]:
+        assert word in lines[0], (word, lines[0])
+    assert _contents(output_dir) == before
