@@ -13,12 +13,12 @@ import gc
 import hashlib
 import json
 import os
-import re
 import socket
 import sys
 import time
 
 import config
+import tf_private
 from config import EXIT_OK, EXIT_PREEMPTED, ClusterNotFormed, UsageError
 
 # The jobs of TF_CONFIG whose tasks train together (TensorFlow's coordination service registers these two).
@@ -143,39 +143,23 @@ def wait_for_others(resolver, timeout):
             time.sleep(KNOCK_SECONDS)
 
 
-def coordinate(resolver):
-    """What MultiWorkerMirroredStrategy would configure itself, plus a deadline on registration that holds for
-    every worker, the coordination service's host included (`cluster_register_with_barrier`)."""
-    from tensorflow.compiler.xla.tsl.protobuf import coordination_config_pb2
-    from tensorflow.python.distribute import multi_worker_util
-    from tensorflow.python.eager import context
-
-    spec = multi_worker_util.normalize_cluster_spec(resolver.cluster_spec())
-    context.context().configure_coordination_service(
-        service_type="standalone", service_leader=multi_worker_util.coordination_leader(spec),
-        cluster_register_timeout_in_ms=REGISTER_SECONDS * 1000,
-        coordinated_jobs=[coordination_config_pb2.CoordinatedJob(name=job, num_tasks=spec.num_tasks(job))
-                          for job in TRAINING_JOBS if job in spec.jobs])
-    context.context().coordination_service.cluster_register_with_barrier = True
-
-
 def form(resolver, make_strategy, tf, *, timeout, verbose):
     """`make_strategy()` (a MultiWorkerMirroredStrategy for `resolver`), once every worker is there."""
     import terminal
 
     wait_for_others(resolver, timeout)
-    coordinate(resolver)
+    tf_private.configure_coordination(resolver.cluster_spec(), TRAINING_JOBS, REGISTER_SECONDS)
     # TensorFlow logs its failures here as several C++ lines, and again as it frees what it had started (hence the
     # collection inside); the error line says it in one.
     with terminal.startup_output_held(verbose, explained=ClusterNotFormed):
         try:
             return make_strategy()
         except tf.errors.DeadlineExceededError as err:
-            missing = {f"{job} {task}": resolver.cluster_spec().task_address(job, int(task))
-                       for job, task in PEER_TASK.findall(err.message.split("timed out task names:")[-1])}
+            missing = {f"{job} {task}": resolver.cluster_spec().task_address(job, task)
+                       for job, task in tf_private.timed_out_tasks(err.message)}
             failure = not_registered(missing)
         except tf.errors.UnknownError as err:
-            if "Could not start gRPC server" not in err.message:
+            if not tf_private.grpc_server_not_started(err.message):
                 raise
             failure = port_taken(resolver, "taken after this worker's check")
         gc.collect()
@@ -184,11 +168,7 @@ def form(resolver, make_strategy, tf, *, timeout, verbose):
 
 def started():
     """Whether this process started TensorFlow's multi-worker runtime (its coordination service is configured)."""
-    if "tensorflow" not in sys.modules:
-        return False
-    from tensorflow.python.eager import context
-
-    return context.context().coordination_service is not None
+    return "tensorflow" in sys.modules and tf_private.coordination_configured()
 
 
 def leave(status):
@@ -201,10 +181,8 @@ def leave(status):
     now (checkpoints, backup, TensorBoard's events, which its writers flush at each epoch's end).
     """
     if status in (EXIT_OK, EXIT_PREEMPTED):
-        from tensorflow.python.eager import context
-
         with contextlib.suppress(Exception):  # a worker gone by now: this one has finished all the same
-            context.context().wait_at_barrier(EXIT_BARRIER, EXIT_BARRIER_SECONDS * 1000)
+            tf_private.wait_at_barrier(EXIT_BARRIER, EXIT_BARRIER_SECONDS)
     # The exit handlers still run: autograph's removes the files it generated under TMPDIR.
     atexit._run_exitfuncs()
     sys.stdout.flush()
@@ -218,8 +196,6 @@ def leave(status):
 # aborts every collective op here with UnavailableError (within 1 s, or 6 s for the heartbeats); the peer
 # hosting the coordination service stopped gives DeadlineExceededError on its heartbeat (11 s). So no
 # collective timeout is needed for a survivor to leave. TensorFlow names the lost task in the message.
-PEER_TASK = re.compile(r"/job:(\w+)/(?:replica:\d+/)?task:(\d+)")
-ABORTED_BY = "Collective ops is aborted by:"
 
 
 def lost_peer(cfg, err):
@@ -229,7 +205,7 @@ def lost_peer(cfg, err):
         return None
     if not isinstance(err, (tf.errors.UnavailableError, tf.errors.DeadlineExceededError)):
         return None
-    task = PEER_TASK.search(err.message)
-    what = f"{task[1]} {task[2]}" if task else "the worker hosting the coordination service (the chief, or worker 0)"
-    reason = err.message.split(ABORTED_BY)[-1].strip().splitlines()[0].rstrip(":")
+    task = next(iter(tf_private.named_tasks(err.message)), None)
+    what = f"{task[0]} {task[1]}" if task else "the worker hosting the coordination service (the chief, or worker 0)"
+    reason = tf_private.abort_reason(err.message)
     return f"lost {what} of this multi-worker run ({reason})"
