@@ -33,6 +33,8 @@ REGISTER_SECONDS = 60
 # no worker outlives the one hosting the coordination service and logs its lost heartbeats as errors.
 EXIT_BARRIER = "mnist-mirrored-exit"
 EXIT_BARRIER_SECONDS = 60
+# The cluster this process formed (form()), where a lost worker is looked for.
+_formed = None
 
 
 def warn_open_port(resolver):
@@ -148,7 +150,9 @@ def form(resolver, make_strategy, tf, *, timeout, verbose):
     import terminal
 
     wait_for_others(resolver, timeout)
+    global _formed
     tf_private.configure_coordination(resolver.cluster_spec(), TRAINING_JOBS, REGISTER_SECONDS)
+    _formed = resolver
     # TensorFlow logs its failures here as several C++ lines, and again as it frees what it had started (hence the
     # collection inside); the error line says it in one.
     with terminal.startup_output_held(verbose, explained=ClusterNotFormed):
@@ -195,7 +199,8 @@ def leave(status):
 # Measured with two workers on loopback: a peer's process killed, or stopped so that its heartbeats stop,
 # aborts every collective op here with UnavailableError (within 1 s, or 6 s for the heartbeats); the peer
 # hosting the coordination service stopped gives DeadlineExceededError on its heartbeat (11 s). So no
-# collective timeout is needed for a survivor to leave. TensorFlow names the lost task in the message.
+# collective timeout is needed for a survivor to leave. Which task was lost the message does not reliably
+# say: it may name the peer, or only this task (the one whose op was aborted).
 
 
 def lost_peer(cfg, err):
@@ -205,7 +210,34 @@ def lost_peer(cfg, err):
         return None
     if not isinstance(err, (tf.errors.UnavailableError, tf.errors.DeadlineExceededError)):
         return None
-    task = next(iter(tf_private.named_tasks(err.message)), None)
-    what = f"{task[0]} {task[1]}" if task else "the worker hosting the coordination service (the chief, or worker 0)"
-    reason = tf_private.abort_reason(err.message)
-    return f"lost {what} of this multi-worker run ({reason})"
+    return lost_workers(_formed, err.message)
+
+
+def answers(address):
+    """Whether a process listens at `address` and accepts a connection within a knock's time."""
+    try:
+        with socket.create_connection(host_port(address), timeout=KNOCK_TIMEOUT_SECONDS):
+            return True
+    except OSError:
+        return False
+
+
+def lost_workers(resolver, message):
+    """Which workers of the cluster `resolver` describes this one lost, as words: those whose port no longer
+    answers (a process gone, a host cut off); else, since a stopped process keeps its port open, the one whose
+    heartbeats went unanswered (the coordination service's host) or those TensorFlow's `message` names. Never
+    this worker itself: the message may name only it. Says so when it cannot tell."""
+    reason = tf_private.abort_reason(message)
+    if resolver is None:
+        return f"lost a worker of this multi-worker run, but cannot tell which ({reason})"
+    peers = others(resolver)
+    gone = [name for name, address in peers.items() if not answers(address)]
+    if tf_private.leader_heartbeat_failed(message):
+        named = ["{} {}".format(*tf_private.coordination_leader(resolver.cluster_spec()))]
+    else:
+        named = [f"{job} {index}" for job, index in tf_private.named_tasks(message)]
+    lost = gone or [name for name in named if name in peers]
+    if not lost:
+        return (f"lost a worker of this multi-worker run, but cannot tell which: TensorFlow's error names none "
+                f"other than this one, and every other worker's port still answers ({reason})")
+    return f"lost {' and '.join(lost)} of this multi-worker run ({reason})"
