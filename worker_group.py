@@ -7,19 +7,18 @@ that loses a worker, are told apart from any other failure so that they exit wit
 worker_sources.py.
 """
 
-import atexit
 import contextlib
 import gc
 import hashlib
 import json
-import os
 import socket
 import sys
 import time
 
 import config
+import sigterm
 import tf_private
-from config import EXIT_OK, EXIT_PREEMPTED, ClusterNotFormed, UsageError
+from config import EXIT_OK, EXIT_PREEMPTED, ClusterNotFormed
 
 # The jobs of TF_CONFIG whose tasks train together (TensorFlow's coordination service registers these two).
 TRAINING_JOBS = ("chief", "worker")
@@ -37,12 +36,12 @@ EXIT_BARRIER_SECONDS = 60
 _formed = None
 
 
-def warn_open_port(resolver):
-    """TensorFlow's gRPC server binds every interface, whatever host the cluster names, and checks no identity."""
+def check_port_and_warn_open(resolver):
+    """Raises UsageError when this worker's port does not exist; else warns that it will be open: TensorFlow's gRPC
+    server binds every interface, whatever host the cluster names, and checks no identity."""
     task_type, task_id, port = resolver.task_type, resolver.task_id, own_port(resolver)
-    if not 1 <= port <= config.MAX_PORT:
-        raise UsageError(f"{task_type} {task_id} would listen on port {port}, which does not exist; "
-                         "choose a lower --slurm-port-base, or fix the ports in TF_CONFIG")
+    config.check_port(port, f"{task_type} {task_id}'s port {port}",
+                      "choose a lower --slurm-port-base, or fix the ports in TF_CONFIG")
     print(f"warning: {task_type} {task_id} listens on port {port} on every network interface, unauthenticated "
           "(TensorFlow's gRPC server); run multi-worker training only on a trusted network or behind a firewall "
           "(docs/clusters.md, \"Open ports\")", file=sys.stderr, flush=True)
@@ -187,11 +186,7 @@ def leave(status):
     if status in (EXIT_OK, EXIT_PREEMPTED):
         with contextlib.suppress(Exception):  # a worker gone by now: this one has finished all the same
             tf_private.wait_at_barrier(EXIT_BARRIER, EXIT_BARRIER_SECONDS)
-    # The exit handlers still run: autograph's removes the files it generated under TMPDIR.
-    atexit._run_exitfuncs()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(status)
+    sigterm.end_process(status)
 
 
 # ---------------------------------------------------------------- a lost peer
