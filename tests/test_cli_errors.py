@@ -12,6 +12,9 @@ import train_mnist_mirrored
 from config import EXIT_BAD_INPUT
 from conftest import run_entrypoint, smoke_args
 
+# These tests read the entrypoint's stderr in this process.
+pytestmark = pytest.mark.usefixtures("gpus_probed")
+
 CLOSED_PORT = ("127.0.0.1", 9)  # discard port; nothing listens there on a test machine
 
 
@@ -80,6 +83,7 @@ def test_option_combinations_are_refused(flags, words, quick_args, tmp_path, mon
     (["--cross-device-ops", "nccl"], ["--cross-device-ops nccl", "GPU", "reduce-to-one"]),
     (["--strategy", "multiworker", "--communication", "nccl"], ["--communication nccl", "GPU", "ring"]),
 ], ids=["mirrored", "multiworker"])
+@pytest.mark.slow
 def test_nccl_without_gpus_is_refused(flags, words, quick_args, tmp_path):
     """Checked where TensorFlow knows the devices, before the strategy exists and before any output.
 
@@ -176,6 +180,7 @@ def test_nonexistent_data_dir_points_at_data_py_prepare(tmp_path, monkeypatch, c
 
 # ---------------------------------------------------------------- 11. a finished run is not overwritten
 
+@pytest.mark.slow
 def test_rerun_into_finished_output_dir_refuses_without_overwrite(smoke_ok, data_dir, tmp_path, monkeypatch, capsys):
     monkeypatch.delenv("TF_CONFIG", raising=False)
     copy = tmp_path / "finished"
