@@ -9,14 +9,13 @@ import numpy as np
 import tensorflow as tf
 
 import resume
+import tf_private
 from config import Preempted
 from model import keras
 from sigterm import Preemption
 
 # The global batch the tutorial's learning rates were chosen for: one replica of 64.
 TUTORIAL_GLOBAL_BATCH = 64
-# Where Keras's BackupAndRestore keeps its checkpoint manager and counters; Backup makes its own (on_train_begin).
-WorkerTrainingState = keras.src.distribute.worker_training_state.WorkerTrainingState
 
 
 def decay(epoch, boundaries, values):
@@ -161,11 +160,9 @@ class Backup(keras.callbacks.BackupAndRestore):
         # one, and it restores the one resume.start chose and read the position from (plan.checkpoint, the newest
         # that reads back whole), where Keras would restore the newest whatever its state. Every worker restores
         # from the chief's folder, as Keras's own does.
-        optimizer = self.model.optimizer
-        if callable(getattr(optimizer, "build", None)) and not getattr(optimizer, "_built", False):
-            optimizer.build(self.model.trainable_variables)  # as Keras does, so that the restore fills its slots
-        state = WorkerTrainingState(self.model, self.backup_dir, self.save_freq)
-        self.model._training_state = self._training_state = state
+        tf_private.build_optimizer(self.model)  # as Keras does, so that the restore fills its slots
+        state = tf_private.worker_training_state(self.model, self.backup_dir, self.save_freq)
+        tf_private.attach_training_state(self, state)
         if state.write_checkpoint_manager is state.read_checkpoint_manager:  # the chief, which writes where all read
             state.write_checkpoint_manager = state.read_checkpoint_manager = tf.train.CheckpointManager(
                 state.read_checkpoint_manager.checkpoint, state.read_checkpoint_manager.directory,
@@ -174,11 +171,10 @@ class Backup(keras.callbacks.BackupAndRestore):
             # The model, the optimizer and Keras's counters.
             state.read_checkpoint_manager.checkpoint.restore(self._plan.checkpoint)
         # Written with every backup from now on, in the same checkpoint as the weights.
-        setattr(self._training_state.write_checkpoint_manager.checkpoint, resume.RECORD, self._record)
+        setattr(state.write_checkpoint_manager.checkpoint, resume.RECORD, self._record)
         # Keras's counters, in this run's steps: `fit` resumes epoch `plan.epoch` after the step before
         # `plan.first_step`; -1 (no step done) keeps the initial_epoch `fit` was given, at step 0.
-        self._training_state._ckpt_saved_epoch.assign(self._plan.epoch)
-        self._training_state._ckpt_saved_batch.assign(self._plan.first_step - 1)
+        tf_private.set_saved_position(state, epoch=self._plan.epoch, batch=self._plan.first_step - 1)
         self._preempted_anywhere = _any_worker(self.model.distribute_strategy)
         self._preemption.start_training()
 
@@ -198,7 +194,7 @@ class Backup(keras.callbacks.BackupAndRestore):
         # Due when the execution passed a multiple of every_steps: a resumed epoch's steps need not start at one.
         due = self._every_steps and (batch + 1) // self._every_steps > (before + 1) // self._every_steps
         if due or preempted:
-            position = self._save(self._current_epoch, batch)
+            position = self._save(tf_private.current_epoch(self), batch)
             if preempted:
                 self._stop(position)
 
@@ -214,8 +210,8 @@ class Backup(keras.callbacks.BackupAndRestore):
     def _save(self, epoch, last_step):
         position = self._plan.position(epoch, last_step, int(self.model.optimizer.iterations.numpy()))
         self._record.assign(position.to_json())
-        self._training_state._ckpt_saved_batch.assign(last_step)
-        self._backup(epoch=epoch, batch=last_step)
+        tf_private.set_saved_position(tf_private.training_state(self), batch=last_step)
+        tf_private.back_up(self, epoch=epoch, batch=last_step)
         return position
 
     def _stop(self, position):

@@ -185,6 +185,12 @@ def _positive(name, value):
         raise UsageError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
 
 
+def check_port(port, what, fix):
+    """Raises UsageError unless `port` exists (1-MAX_PORT); `what` names it where the user set it."""
+    if not 1 <= port <= MAX_PORT:
+        raise UsageError(f"{what} is not a port number, 1-{MAX_PORT}; {fix}")
+
+
 def validate(cfg):
     """Checks what can be checked before TensorFlow starts; raises UsageError."""
     for name in ("epochs", "batch_size_per_replica", "buffer_size", "steps_per_epoch", "steps_per_execution",
@@ -219,8 +225,9 @@ def validate(cfg):
         raise UsageError(f"--jit-compile cannot compile a step mirrored across --cpu-replicas {cfg.cpu_replicas}: "
                          "XLA reaches no variable on another CPU device; drop --jit-compile, or --cpu-replicas to "
                          "train on one device")
-    if cfg.slurm_port_base is not None and not 1 <= cfg.slurm_port_base <= MAX_PORT:
-        raise UsageError(f"--slurm-port-base must be a port number, 1-{MAX_PORT}, got {cfg.slurm_port_base}")
+    if cfg.slurm_port_base is not None:
+        check_port(cfg.slurm_port_base, f"--slurm-port-base {cfg.slurm_port_base}", "choose the port of each node's "
+                   "first worker, or leave it out")
     if cfg.warmup_epochs < 0:
         raise UsageError(f"--warmup-epochs must be 0 (off) or a positive count, got {cfg.warmup_epochs}")
     if cfg.warmup_epochs and not cfg.scale_lr:

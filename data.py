@@ -19,6 +19,7 @@ import tensorflow as tf
 import tensorflow_datasets as tfds
 
 import prepare_mnist
+import tf_private
 from config import UsageError
 
 DOWNLOAD_HOST = ("storage.googleapis.com", 443)  # where tfds downloads MNIST from
@@ -137,23 +138,12 @@ def _untuned(dataset):
 
 def untune_device_pipelines():
     """Turns the autotuner off in the device-side pipelines TensorFlow's multi-device iterator builds for each
-    replica, as `_untuned` does for ours: they are built with tf.data's default options, which nothing passed
-    to a strategy or to Keras reaches, and destroying one waits for its tuning thread's next round. That made a
-    two-worker `fit` return 17 s after its last epoch (300-step epochs, 2026-12-03; the wait grows with the run,
-    up to the tuner's 60 s period), and every evaluation's end wait too. Each pipeline only prefetches one batch
-    into a fixed buffer, so there is nothing to tune. TensorFlow's private `_create_device_dataset` is wrapped;
-    should a later TensorFlow drop it, runs go on with the wait (tests/test_input_pipeline.py notices)."""
-    from tensorflow.python.data.ops import multi_device_iterator_ops
-
-    create = getattr(multi_device_iterator_ops, "_create_device_dataset", None)
-    if create is None or getattr(create, "untuned", False):
-        return
-
-    def create_untuned(*args, **kwargs):
-        return _untuned(create(*args, **kwargs))
-
-    create_untuned.untuned = True
-    multi_device_iterator_ops._create_device_dataset = create_untuned
+    replica, as `_untuned` does for ours: they take tf.data's default options, and destroying one waits for its
+    tuning thread's next round, which made a two-worker `fit` return many seconds after its last epoch (up to the
+    tuner's 60 s period), and every evaluation's end wait too. Each only prefetches one batch into a fixed buffer,
+    so there is nothing to tune. Should a later TensorFlow drop the private function this wraps, runs go on with
+    the wait (tf_private.wrap_device_datasets, and its canary)."""
+    tf_private.wrap_device_datasets(_untuned)
 
 
 def for_distribution(dataset):

@@ -32,10 +32,11 @@ def clear_outputs(cfg):
             os.remove(path)
 
 
-def work_dir(cfg, is_chief):
-    """Where this process writes: --output-dir for the chief; another worker writes to a folder of its own,
-    removed at the end. (Keras's ModelCheckpoint and BackupAndRestore send a non-chief's writes elsewhere
-    themselves.)"""
+def clear_and_make_work_dir(cfg, is_chief):
+    """For the chief, clears earlier outputs from --output-dir (clear_outputs: an unfinished run's backup stays, to
+    resume from); returns where this process writes: --output-dir for the chief; another worker writes to a
+    folder of its own, removed at the end. (Keras's ModelCheckpoint and BackupAndRestore send a non-chief's
+    writes elsewhere themselves.)"""
     if is_chief:
         clear_outputs(cfg)
     os.makedirs(cfg.output_dir, exist_ok=True)

@@ -22,7 +22,7 @@ from config import EXIT_PREEMPTED, Preempted
 OUTSIDE_TRAINING = ("pre-empted (SIGTERM) outside training; run the same command again to resume after the last "
                     "backed-up step")
 # How long the process's exit handlers (autograph's removal of its generated files under TMPDIR) and the flush of
-# its output get before the process ends anyway: the main thread may hold what they wait for.
+# its output get before the process ends anyway (end_process): the main thread may hold what they wait for.
 TIDY_SECONDS = 2
 
 
@@ -79,10 +79,17 @@ class Preemption:
 
     def _end(self):
         os.write(self._stderr, f"error: {OUTSIDE_TRAINING}\n".encode())
-        tidy = threading.Thread(target=_tidy, name="sigterm-tidy", daemon=True)
-        tidy.start()
-        tidy.join(TIDY_SECONDS)
-        os._exit(EXIT_PREEMPTED)
+        end_process(EXIT_PREEMPTED)
+
+
+def end_process(status):
+    """Ends this process now with `status`, without the interpreter's teardown (TensorFlow's may hang, or log
+    errors): the exit handlers still run, autograph's removing the files it generated under TMPDIR, and the
+    output is flushed, within TIDY_SECONDS."""
+    tidy = threading.Thread(target=_tidy, name="exit-tidy", daemon=True)
+    tidy.start()
+    tidy.join(TIDY_SECONDS)
+    os._exit(status)
 
 
 def _tidy():

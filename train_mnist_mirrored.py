@@ -89,7 +89,7 @@ def make_strategy(cfg, tf):
         tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * cfg.cpu_replicas)
     if cfg.strategy == "multiworker":
         resolver = worker_sources.cluster_resolver(cfg, tf)
-        worker_group.warn_open_port(resolver)
+        worker_group.check_port_and_warn_open(resolver)
         # TF 2.0's tf.distribute.experimental.MultiWorkerMirroredStrategy, made once every worker is there.
         return worker_group.form(resolver, lambda: tf.distribute.MultiWorkerMirroredStrategy(
             cluster_resolver=resolver, communication_options=communication_options(cfg, tf)),
@@ -162,7 +162,7 @@ def run(cfg, preemption):
     plan = resume.start(cfg.path(cfg.backup_dir), resume.Settings.of(cfg, num_examples=num_train,
                                                                      global_batch=global_batch),
                         epochs=cfg.epochs, overwrite=cfg.overwrite)
-    work_dir = outputs.work_dir(cfg, is_chief)
+    work_dir = outputs.clear_and_make_work_dir(cfg, is_chief)
     train = data.distribute(strategy, functools.partial(
         data.train_indices, num_train, buffer_size=cfg.buffer_size, global_batch=global_batch, seed=cfg.seed,
         first_epoch=plan.epoch, first_image=plan.image, epoch_images=plan.epoch_images, epochs=cfg.epochs,

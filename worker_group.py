@@ -7,19 +7,18 @@ that loses a worker, are told apart from any other failure so that they exit wit
 worker_sources.py.
 """
 
-import atexit
 import contextlib
 import gc
 import hashlib
 import json
-import os
-import re
 import socket
 import sys
 import time
 
 import config
-from config import EXIT_OK, EXIT_PREEMPTED, ClusterNotFormed, UsageError
+import sigterm
+import tf_private
+from config import EXIT_OK, EXIT_PREEMPTED, ClusterNotFormed
 
 # The jobs of TF_CONFIG whose tasks train together (TensorFlow's coordination service registers these two).
 TRAINING_JOBS = ("chief", "worker")
@@ -33,14 +32,16 @@ REGISTER_SECONDS = 60
 # no worker outlives the one hosting the coordination service and logs its lost heartbeats as errors.
 EXIT_BARRIER = "mnist-mirrored-exit"
 EXIT_BARRIER_SECONDS = 60
+# The cluster this process formed (form()), where a lost worker is looked for.
+_formed = None
 
 
-def warn_open_port(resolver):
-    """TensorFlow's gRPC server binds every interface, whatever host the cluster names, and checks no identity."""
+def check_port_and_warn_open(resolver):
+    """Raises UsageError when this worker's port does not exist; else warns that it will be open: TensorFlow's gRPC
+    server binds every interface, whatever host the cluster names, and checks no identity."""
     task_type, task_id, port = resolver.task_type, resolver.task_id, own_port(resolver)
-    if not 1 <= port <= config.MAX_PORT:
-        raise UsageError(f"{task_type} {task_id} would listen on port {port}, which does not exist; "
-                         "choose a lower --slurm-port-base, or fix the ports in TF_CONFIG")
+    config.check_port(port, f"{task_type} {task_id}'s port {port}",
+                      "choose a lower --slurm-port-base, or fix the ports in TF_CONFIG")
     print(f"warning: {task_type} {task_id} listens on port {port} on every network interface, unauthenticated "
           "(TensorFlow's gRPC server); run multi-worker training only on a trusted network or behind a firewall "
           "(docs/clusters.md, \"Open ports\")", file=sys.stderr, flush=True)
@@ -143,39 +144,25 @@ def wait_for_others(resolver, timeout):
             time.sleep(KNOCK_SECONDS)
 
 
-def coordinate(resolver):
-    """What MultiWorkerMirroredStrategy would configure itself, plus a deadline on registration that holds for
-    every worker, the coordination service's host included (`cluster_register_with_barrier`)."""
-    from tensorflow.compiler.xla.tsl.protobuf import coordination_config_pb2
-    from tensorflow.python.distribute import multi_worker_util
-    from tensorflow.python.eager import context
-
-    spec = multi_worker_util.normalize_cluster_spec(resolver.cluster_spec())
-    context.context().configure_coordination_service(
-        service_type="standalone", service_leader=multi_worker_util.coordination_leader(spec),
-        cluster_register_timeout_in_ms=REGISTER_SECONDS * 1000,
-        coordinated_jobs=[coordination_config_pb2.CoordinatedJob(name=job, num_tasks=spec.num_tasks(job))
-                          for job in TRAINING_JOBS if job in spec.jobs])
-    context.context().coordination_service.cluster_register_with_barrier = True
-
-
 def form(resolver, make_strategy, tf, *, timeout, verbose):
     """`make_strategy()` (a MultiWorkerMirroredStrategy for `resolver`), once every worker is there."""
     import terminal
 
     wait_for_others(resolver, timeout)
-    coordinate(resolver)
+    global _formed
+    tf_private.configure_coordination(resolver.cluster_spec(), TRAINING_JOBS, REGISTER_SECONDS)
+    _formed = resolver
     # TensorFlow logs its failures here as several C++ lines, and again as it frees what it had started (hence the
     # collection inside); the error line says it in one.
     with terminal.startup_output_held(verbose, explained=ClusterNotFormed):
         try:
             return make_strategy()
         except tf.errors.DeadlineExceededError as err:
-            missing = {f"{job} {task}": resolver.cluster_spec().task_address(job, int(task))
-                       for job, task in PEER_TASK.findall(err.message.split("timed out task names:")[-1])}
+            missing = {f"{job} {task}": resolver.cluster_spec().task_address(job, task)
+                       for job, task in tf_private.timed_out_tasks(err.message)}
             failure = not_registered(missing)
         except tf.errors.UnknownError as err:
-            if "Could not start gRPC server" not in err.message:
+            if not tf_private.grpc_server_not_started(err.message):
                 raise
             failure = port_taken(resolver, "taken after this worker's check")
         gc.collect()
@@ -184,11 +171,7 @@ def form(resolver, make_strategy, tf, *, timeout, verbose):
 
 def started():
     """Whether this process started TensorFlow's multi-worker runtime (its coordination service is configured)."""
-    if "tensorflow" not in sys.modules:
-        return False
-    from tensorflow.python.eager import context
-
-    return context.context().coordination_service is not None
+    return "tensorflow" in sys.modules and tf_private.coordination_configured()
 
 
 def leave(status):
@@ -201,15 +184,9 @@ def leave(status):
     now (checkpoints, backup, TensorBoard's events, which its writers flush at each epoch's end).
     """
     if status in (EXIT_OK, EXIT_PREEMPTED):
-        from tensorflow.python.eager import context
-
         with contextlib.suppress(Exception):  # a worker gone by now: this one has finished all the same
-            context.context().wait_at_barrier(EXIT_BARRIER, EXIT_BARRIER_SECONDS * 1000)
-    # The exit handlers still run: autograph's removes the files it generated under TMPDIR.
-    atexit._run_exitfuncs()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(status)
+            tf_private.wait_at_barrier(EXIT_BARRIER, EXIT_BARRIER_SECONDS)
+    sigterm.end_process(status)
 
 
 # ---------------------------------------------------------------- a lost peer
@@ -217,9 +194,8 @@ def leave(status):
 # Measured with two workers on loopback: a peer's process killed, or stopped so that its heartbeats stop,
 # aborts every collective op here with UnavailableError (within 1 s, or 6 s for the heartbeats); the peer
 # hosting the coordination service stopped gives DeadlineExceededError on its heartbeat (11 s). So no
-# collective timeout is needed for a survivor to leave. TensorFlow names the lost task in the message.
-PEER_TASK = re.compile(r"/job:(\w+)/(?:replica:\d+/)?task:(\d+)")
-ABORTED_BY = "Collective ops is aborted by:"
+# collective timeout is needed for a survivor to leave. Which task was lost the message does not reliably
+# say: it may name the peer, or only this task (the one whose op was aborted).
 
 
 def lost_peer(cfg, err):
@@ -229,7 +205,34 @@ def lost_peer(cfg, err):
         return None
     if not isinstance(err, (tf.errors.UnavailableError, tf.errors.DeadlineExceededError)):
         return None
-    task = PEER_TASK.search(err.message)
-    what = f"{task[1]} {task[2]}" if task else "the worker hosting the coordination service (the chief, or worker 0)"
-    reason = err.message.split(ABORTED_BY)[-1].strip().splitlines()[0].rstrip(":")
-    return f"lost {what} of this multi-worker run ({reason})"
+    return lost_workers(_formed, err.message)
+
+
+def answers(address):
+    """Whether a process listens at `address` and accepts a connection within a knock's time."""
+    try:
+        with socket.create_connection(host_port(address), timeout=KNOCK_TIMEOUT_SECONDS):
+            return True
+    except OSError:
+        return False
+
+
+def lost_workers(resolver, message):
+    """Which workers of the cluster `resolver` describes this one lost, as words: those whose port no longer
+    answers (a process gone, a host cut off); else, since a stopped process keeps its port open, the one whose
+    heartbeats went unanswered (the coordination service's host) or those TensorFlow's `message` names. Never
+    this worker itself: the message may name only it. Says so when it cannot tell."""
+    reason = tf_private.abort_reason(message)
+    if resolver is None:
+        return f"lost a worker of this multi-worker run, but cannot tell which ({reason})"
+    peers = others(resolver)
+    gone = [name for name, address in peers.items() if not answers(address)]
+    if tf_private.leader_heartbeat_failed(message):
+        named = ["{} {}".format(*tf_private.coordination_leader(resolver.cluster_spec()))]
+    else:
+        named = [f"{job} {index}" for job, index in tf_private.named_tasks(message)]
+    lost = gone or [name for name in named if name in peers]
+    if not lost:
+        return (f"lost a worker of this multi-worker run, but cannot tell which: TensorFlow's error names none "
+                f"other than this one, and every other worker's port still answers ({reason})")
+    return f"lost {' and '.join(lost)} of this multi-worker run ({reason})"

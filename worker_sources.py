@@ -119,8 +119,7 @@ def indexed_job(environ, own_host):
     if workers < 1 or not 0 <= index < workers:
         raise UsageError(f"JOB_COMPLETION_INDEX={index} is not a worker of MNIST_WORKERS={workers}; give "
                          "MNIST_WORKERS the Job's completions and parallelism")
-    if not 1 <= port <= config.MAX_PORT:
-        raise UsageError(f"MNIST_WORKER_PORT={port} is not a port number, 1-{config.MAX_PORT}; {fix}")
+    config.check_port(port, f"MNIST_WORKER_PORT={port}", fix)
     pattern = environ["MNIST_WORKER_HOST"]
     hosts = [pattern.replace("{index}", str(i)) for i in range(workers)]
     if pattern.count("{index}") != 1 or not all(HOST_NAME.fullmatch(host) for host in hosts):

@@ -37,6 +37,12 @@ SMOKE_BATCH = 16
 # checked with more than one replica; validate() refuses more replicas than cores.
 SMOKE_CPU_REPLICAS = 2 if (os.cpu_count() or 1) >= 2 else 0
 
+# Deadlines that only guard against a hang, generous for a loaded 2-core machine (TensorFlow alone takes 5-15 s
+# to load there): a worker reaching a line of its output or a backup, and a signalled process's end (the product
+# aims at well inside Kubernetes's 30 s grace period).
+WAIT_SECONDS = 300
+EXIT_SECONDS = 60
+
 
 # ---------------------------------------------------------------- IDX writing helpers
 
@@ -122,6 +128,16 @@ def resume_data_dir(tmp_path_factory):
     return target
 
 
+@pytest.fixture(scope="session")
+def gpus_probed():
+    """TensorFlow's first probe for GPUs in this process. Without a CUDA driver it logs a failed cuInit, which the
+    entrypoint holds back only beside the notice TensorFlow prints at import; in pytest's process that came at
+    collection, so the line would land in the stderr of whichever in-process test first starts TensorFlow."""
+    import terminal
+
+    terminal.start_tensorflow(verbose=False)
+
+
 def subprocess_env():
     env = dict(os.environ)
     env.pop("TF_CONFIG", None)
@@ -129,9 +145,26 @@ def subprocess_env():
     return env
 
 
+def wait_until(condition, what, seconds=WAIT_SECONDS):
+    """Polls `condition()` until it returns something true, and returns that; fails saying `what` it waited for
+    after `seconds`."""
+    deadline = time.monotonic() + seconds
+    while True:
+        found = condition()
+        if found:
+            return found
+        assert time.monotonic() < deadline, f"no {what} within {seconds} s"
+        time.sleep(0.05)
+
+
+def max_abs_diff(a, b):
+    """The largest absolute difference between two lists of arrays (a model's weights, say)."""
+    return max(float(np.max(np.abs(np.asarray(u) - np.asarray(v)))) for u, v in zip(a, b))
+
+
 def free_ports(n, consecutive=False):
     """n ports nothing listens on now; `consecutive` for Slurm, whose workers on one node take base, base+1, ..."""
-    while True:
+    for _ in range(100):
         socks = [socket.socket() for _ in range(n)]
         try:
             socks[0].bind(("127.0.0.1", 0))
@@ -144,6 +177,7 @@ def free_ports(n, consecutive=False):
         finally:
             for s in socks:
                 s.close()
+    raise RuntimeError(f"no {n} free ports found in 100 draws")
 
 
 class Worker:
@@ -178,12 +212,15 @@ class Worker:
     def last_stderr_line(self):
         return self.stderr.rstrip().splitlines()[-1]
 
-    def wait_for(self, text):
-        """Returns once the worker has printed `text`; fails if it exits first."""
-        while text not in self.stdout:
+    def wait_for(self, text, seconds=WAIT_SECONDS):
+        """Returns once the worker has printed `text`; fails if it exits first, or after `seconds`."""
+        def printed():
+            if text in self.stdout:
+                return True
             assert self.proc.poll() is None, (
                 f"exited {self.proc.returncode} before printing {text!r}:\n{self.stderr[-3000:]}")
-            time.sleep(0.2)
+            return False
+        wait_until(printed, f"{text!r} from {self.stdout_path.stem}", seconds)
 
 
 def finish(workers, timeout=400):
@@ -225,11 +262,15 @@ def images_at(output, what):
             for epoch, image, size in found]
 
 
-def wait_for_backup_after(backup_dir, images, running):
-    """Returns once a backup past `images` training images is on disk; fails if `running()` turns false first."""
-    while (backed_up_images(backup_dir) or 0) <= images:
+def wait_for_backup_after(backup_dir, images, running, seconds=WAIT_SECONDS):
+    """Returns once a backup past `images` training images is on disk; fails if `running()` turns false first, or
+    after `seconds`."""
+    def backed_up():
+        if (backed_up_images(backup_dir) or 0) > images:
+            return True
         assert running(), f"the run ended before a backup past image {images}"
-        time.sleep(0.1)
+        return False
+    wait_until(backed_up, f"backup past image {images}", seconds)
 
 
 def skip_unless_ci(reason):

@@ -172,7 +172,7 @@ class SlurmCluster:
                 proc.wait(timeout=STOP_SECONDS)
             except subprocess.TimeoutExpired:
                 proc.kill()
-                proc.wait()
+                proc.wait(timeout=STOP_SECONDS)
         self._daemons = []
         for pid in self._leftover_tasks():
             try:

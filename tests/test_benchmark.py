@@ -6,6 +6,8 @@ import statistics
 import subprocess
 import sys
 
+import pytest
+
 from conftest import ROOT, subprocess_env
 
 
@@ -14,6 +16,7 @@ def _bench(*args):
                           capture_output=True, text=True, timeout=600)
 
 
+@pytest.mark.slow
 def test_benchmark_writes_sane_figures(tmp_path, idx_dir):
     out = tmp_path / "bench.json"
     proc = _bench("--idx-dir", idx_dir, "--quick", "--epochs", "2", "--variants", "project,keras_adam",
@@ -57,6 +60,7 @@ def test_a_round_splits_into_later_epochs_and_a_fixed_cost():
     assert throughput.split_fixed_cost(100, 1.0, [1.0]) == {"steady_images_per_s": None, "fixed_seconds": None}
 
 
+@pytest.mark.slow
 def test_benchmark_rejects_an_unknown_variant(tmp_path, data_dir):
     proc = _bench("--data-dir", data_dir, "--variants", "warp_drive", "--output", str(tmp_path / "b.json"))
     assert proc.returncode != 0
@@ -65,6 +69,7 @@ def test_benchmark_rejects_an_unknown_variant(tmp_path, data_dir):
     assert not (tmp_path / "b.json").exists()
 
 
+@pytest.mark.slow
 def test_step_cost_alternates_the_variants_in_one_process(tmp_path, data_dir):
     out = tmp_path / "step_cost.json"
     proc = subprocess.run([sys.executable, "benchmarks/step_cost.py", "--data-dir", data_dir, "--rounds", "3",

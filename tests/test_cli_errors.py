@@ -14,6 +14,9 @@ import train_mnist_mirrored
 from config import EXIT_BAD_INPUT, UsageError
 from conftest import run_entrypoint, smoke_args
 
+# These tests read the entrypoint's stderr in this process.
+pytestmark = pytest.mark.usefixtures("gpus_probed")
+
 CLOSED_PORT = ("127.0.0.1", 9)  # discard port; nothing listens there on a test machine
 
 # `data` imported TensorFlow above, before any run could hold back its start-up lines; TensorFlow's first GPU probe,
@@ -101,6 +104,7 @@ def test_malformed_devices_are_refused_before_tensorflow_starts(devices, quick_a
     # XLA compiles no all-reduce between CPU workers (docs/upstream/xla_cpu_collectives.py); between GPUs it does.
     (["--strategy", "multiworker", "--jit-compile"], ["--jit-compile", "no GPU", "drop --jit-compile"]),
 ], ids=["mirrored", "multiworker", "jit-compile-multiworker"])
+@pytest.mark.slow
 def test_gpu_only_options_without_gpus_are_refused(flags, words, quick_args, tmp_path):
     """Checked where TensorFlow knows the devices, before the strategy exists and before any output.
 
@@ -197,6 +201,7 @@ def test_nonexistent_data_dir_points_at_data_py_prepare(tmp_path, monkeypatch, c
 
 # ---------------------------------------------------------------- 11. a finished run is not overwritten
 
+@pytest.mark.slow
 def test_rerun_into_finished_output_dir_refuses_without_overwrite(smoke_ok, data_dir, tmp_path, monkeypatch, capsys):
     monkeypatch.delenv("TF_CONFIG", raising=False)
     copy = tmp_path / "finished"

@@ -21,12 +21,11 @@ import config
 import sigterm
 import worker_group
 import worker_sources
-from conftest import ROOT, Worker, finish, free_ports, subprocess_env
+from conftest import EXIT_SECONDS, ROOT, Worker, finish, free_ports, subprocess_env, wait_until
 
 TIMEOUT = 5  # --cluster-timeout of these tests, seconds
-# Generous bounds on a loaded 2-core machine (6 agents share it): TensorFlow alone takes 5-15 s to load.
+# A generous bound on a loaded 2-core machine: TensorFlow alone takes 5-15 s to load.
 START_SECONDS = 60
-EXIT_SECONDS = 20
 
 
 def tf_config(ports, index):
@@ -47,6 +46,7 @@ def error_lines(stderr):
 
 # ---------------------------------------------------------------- start-up failures
 
+@pytest.mark.slow
 def test_taken_port_is_one_line_and_its_peer_gives_up_naming_it(tmp_path, data_dir):
     """As with two Slurm nodes whose first tasks both take one port: worker 0 cannot listen, worker 1 waits for it."""
     ports = free_ports(2)
@@ -72,15 +72,16 @@ def test_taken_port_is_one_line_and_its_peer_gives_up_naming_it(tmp_path, data_d
     assert not os.path.exists(tmp_path / "out" / "results.json")
 
 
+@pytest.mark.slow
 def test_sigterm_while_waiting_for_the_cluster_exits_143_at_once(tmp_path, data_dir):
     ports = free_ports(2)  # worker 1 never comes
     worker = Worker(args(data_dir, str(tmp_path / "out"), "--cluster-timeout", "600"), tf_config(ports, 0),
                     tmp_path, "w0")
     try:
-        while not worker_group.knock(f"127.0.0.1:{ports[0]}", b"hello"):  # it listens: it is waiting for worker 1
+        def listening():  # then it is waiting for worker 1
             assert worker.proc.poll() is None, worker.stderr[-3000:]
-            time.sleep(0.2)
-        time.sleep(1)
+            return worker_group.answers(f"127.0.0.1:{ports[0]}")
+        wait_until(listening, "listening worker", START_SECONDS)
         sent = time.monotonic()
         worker.proc.send_signal(signal.SIGTERM)
         worker.proc.wait(timeout=EXIT_SECONDS)
@@ -106,12 +107,14 @@ def two_workers(tmp_path_factory, data_dir):
     return workers
 
 
+@pytest.mark.slow
 def test_two_workers_succeed_without_error_lines(two_workers):
     for w in two_workers:
         assert w.returncode == 0, w.stderr[-3000:]
         assert error_lines(w.stderr) == [], w.stderr[-3000:]
 
 
+@pytest.mark.slow
 def test_progress_figures_mid_epoch_are_those_of_one_replica(two_workers):
     # Keras's bar redraws its line with '\r'; the figures of every redraw, mid-epoch ones included.
     shown = [line for w in two_workers for line in re.split(r"[\r\n]", w.stdout) if re.match(r"\s*\d+/6 \[", line)]
@@ -128,6 +131,13 @@ def test_progress_figures_mid_epoch_are_those_of_one_replica(two_workers):
 WATCHED = """
 import os, signal, sys, time
 import config, sigterm
+
+def until(condition):  # a handshake with SIGTERM's thread, within a few seconds
+    deadline = time.monotonic() + 10
+    while not condition():
+        assert time.monotonic() < deadline, "SIGTERM's thread never acted"
+        time.sleep(0.01)
+
 with sigterm.watched() as preemption:
     preemption.training = {training}
     os.kill(os.getpid(), signal.SIGTERM)
@@ -142,13 +152,13 @@ def run_watched(training, then):
 
 
 def test_sigterm_while_training_is_noted_for_the_next_step_boundary():
-    proc = run_watched(True, "while not preemption.requested: time.sleep(0.05)\n    print('noted')")
+    proc = run_watched(True, "until(lambda: preemption.requested)\n    print('noted')")
     assert proc.returncode == 0 and proc.stdout == "noted\n", proc.stderr
 
 
 def test_a_sigterm_noted_during_training_ends_the_run_as_training_ends():
     """One that came after the last step boundary's check: acted on in the main thread, where training ends."""
-    proc = run_watched(True, "while not preemption.requested: time.sleep(0.05)\n"
+    proc = run_watched(True, "until(lambda: preemption.requested)\n"
                              "    try:\n        preemption.end_training()\n"
                              "    except config.Preempted as err:\n        print('raised:', err)")
     assert proc.returncode == 0 and proc.stdout == f"raised: {sigterm.OUTSIDE_TRAINING}\n", proc.stderr
@@ -183,9 +193,11 @@ def test_sigterm_while_the_results_are_written_is_ignored():
         return subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=subprocess_env(), capture_output=True,
                               text=True, timeout=EXIT_SECONDS)
 
-    finished = watched_run("preemption.finishing()", "time.sleep(0.3)")
+    # SIGTERM's thread took the signal (it is no longer pending) while the results were written.
+    finished = watched_run("preemption.finishing()", "until(lambda: signal.SIGTERM not in signal.sigpending())")
     assert finished.returncode == 0 and finished.stdout == "finished\n" and finished.stderr == "", finished.stderr
-    ended = watched_run("pass", "time.sleep(0.3)\n    preemption.finishing()")
+    # SIGTERM's thread is ending the process when the results are reached.
+    ended = watched_run("pass", "until(lambda: preemption._ending)\n    preemption.finishing()")
     assert ended.returncode == config.EXIT_PREEMPTED and ended.stdout == "", ended.stdout
     assert ended.stderr == f"error: {sigterm.OUTSIDE_TRAINING}\n"
 

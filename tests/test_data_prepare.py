@@ -56,6 +56,7 @@ def test_prepare_refuses_an_already_prepared_dir(data_dir, idx_dir, capsys):
 
 # ---------------------------------------------------------------- 8. prepare_mnist.py with no files
 
+@pytest.mark.slow
 def test_prepare_cli_without_idx_files_fails_cleanly(root, tmp_path):
     empty = tmp_path / "no_idx_here"
     empty.mkdir()

@@ -1,4 +1,4 @@
-"""Every relative link in README.md and docs/*.md reaches a file, and every #anchor a heading in it.
+"""Every relative link in README.md, docs/*.md and tests/README.md reaches a file, and every #anchor a heading in it.
 
 Anchors follow GitHub's rule for heading ids: lowercase, punctuation other than '-' and '_' removed, each space a
 '-', and a repeated heading gets -1, -2, ... Code blocks are skipped: their '#' lines are not headings. Pure
@@ -13,7 +13,9 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 README = os.path.join(ROOT, "README.md")
 DOCS = os.path.join(ROOT, "docs")
-PAGES = [README] + sorted(os.path.join(DOCS, name) for name in os.listdir(DOCS) if name.endswith(".md"))
+TESTS_README = os.path.join(ROOT, "tests", "README.md")
+PAGES = ([README] + sorted(os.path.join(DOCS, name) for name in os.listdir(DOCS) if name.endswith(".md"))
+         + [TESTS_README])
 
 LINK = re.compile(r"\]\(([^)\s]+)\)")
 HEADING = re.compile(r"^(#{1,6})\s+(.*?)\s*#*\s*$")

@@ -19,7 +19,8 @@ import tensorflow as tf
 import data
 import prepare_mnist
 from config import EXIT_OK, EXIT_PREEMPTED
-from conftest import ROOT, Worker, finish, free_ports, images_at, make_split, subprocess_env, write_idx_dir
+from conftest import (ROOT, Worker, finish, free_ports, images_at, make_split, max_abs_diff, subprocess_env,
+                      write_idx_dir)
 
 REPRODUCER = os.path.join(ROOT, "docs", "upstream", "empty_batch_maxpoolgrad.py")
 NUM_TRAIN = 17  # one more than a global batch of 16, or four of 4: every epoch ends with a batch of one example
@@ -124,10 +125,7 @@ UPDATE_SCRIPT = textwrap.dedent("""
 """)
 
 
-def _max_abs_diff(a, b):
-    return max(float(np.max(np.abs(np.asarray(u) - np.asarray(v)))) for u, v in zip(a, b))
-
-
+@pytest.mark.slow
 def test_padding_leaves_each_update_that_of_the_real_examples(tmp_path):
     out = tmp_path / "weights.json"
     env = {**subprocess_env(), "PYTHONPATH": ROOT, "TF_ENABLE_ONEDNN_OPTS": "0"}
@@ -135,10 +133,11 @@ def test_padding_leaves_each_update_that_of_the_real_examples(tmp_path):
                           text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     weights = json.loads(out.read_text())
-    assert _max_abs_diff(weights["initial"], weights["1"]) > 1e-3, "training must move the weights"
-    assert _max_abs_diff(weights["2"], weights["1"]) < 1e-6
+    assert max_abs_diff(weights["initial"], weights["1"]) > 1e-3, "training must move the weights"
+    assert max_abs_diff(weights["2"], weights["1"]) < 1e-6
 
 
+@pytest.mark.slow
 def test_tensorflow_still_aborts_on_an_empty_batch_probe():
     """The probe that tells when data.padded can go: docs/upstream/empty_batch_maxpoolgrad.py, run as TensorFlow
     comes (oneDNN on) and with oneDNN off. Off, it must run on any CPU (else the reproducer is broken); on, it
@@ -174,6 +173,7 @@ def _args(odd_data_dir, output_dir, *extra):
             "--output-dir", str(output_dir), *extra]
 
 
+@pytest.mark.slow
 def test_a_resize_resume_with_one_image_left_and_two_replicas_finishes(tmp_path, odd_data_dir):
     """One replica at batch 16 is pre-empted after its first step (image 16 of 17); two replicas at 8 each
     resume with one image left of the epoch, then train a whole epoch, whose last batch is one example too."""
@@ -197,6 +197,7 @@ def test_a_resize_resume_with_one_image_left_and_two_replicas_finishes(tmp_path,
     assert results["resumed_after_images"] == 16
 
 
+@pytest.mark.slow
 def test_two_workers_with_a_last_batch_of_one_finish(tmp_path, odd_data_dir):
     cluster = {"worker": [f"127.0.0.1:{port}" for port in free_ports(2)]}
     workers = [Worker(_args(odd_data_dir, tmp_path / "out", "--batch-size-per-replica", "8", "--strategy",

@@ -27,7 +27,7 @@ def test_gitignore_covers_every_output_of_a_run_in_the_root(tmp_path):
     git = shutil.which("git")
     if git is None:
         pytest.skip("git is not installed")
-    subprocess.run([git, "init", "-q", str(tmp_path)], check=True)
+    subprocess.run([git, "init", "-q", str(tmp_path)], check=True, timeout=60)
     shutil.copy(f"{ROOT}/.gitignore", tmp_path / ".gitignore")
     outputs = [f for f in dataclasses.fields(Config) if "help" not in f.metadata and f.name.endswith(("_dir", "_file"))]
     assert {f.name for f in outputs} >= {"checkpoint_dir", "log_dir", "saved_model_dir", "backup_dir",
@@ -40,7 +40,7 @@ def test_gitignore_covers_every_output_of_a_run_in_the_root(tmp_path):
             else:
                 (tmp_path / name).write_text("x")
     status = subprocess.run([git, "status", "--porcelain", "--untracked-files=all"], cwd=tmp_path,
-                            capture_output=True, text=True, check=True).stdout
+                            capture_output=True, text=True, check=True, timeout=60).stdout
     assert status.splitlines() == ["?? .gitignore"]
 
 

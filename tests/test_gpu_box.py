@@ -38,6 +38,7 @@ def two_gpus(tmp_path, monkeypatch):
     monkeypatch.setenv("PATH", os.pathsep.join([stand_in(tmp_path / "bin", TWO_GPUS), os.environ["PATH"]]))
 
 
+@pytest.mark.slow
 def test_gpu_box_without_cuda_libraries_stops_before_writing_anything(two_gpus, tmp_path, data_dir):
     out = tmp_path / "out"
     run = run_entrypoint(smoke_args(data_dir, str(out)), tmp_path, timeout=300)
@@ -49,6 +50,7 @@ def test_gpu_box_without_cuda_libraries_stops_before_writing_anything(two_gpus, 
     assert not out.exists()
 
 
+@pytest.mark.slow
 def test_allow_cpu_trains_on_the_cpu_of_a_gpu_box(two_gpus, tmp_path, data_dir):
     out = tmp_path / "out"
     run = run_entrypoint(smoke_args(data_dir, str(out)) + ["--allow-cpu"], tmp_path, timeout=300)
@@ -100,6 +102,7 @@ def test_the_driver_s_list_counts_only_where_its_devices_are_reachable(tmp_path)
     assert gpu_box.listed_by_driver(str(tmp_path / "none"), str(control)) == 0
 
 
+@pytest.mark.slow
 def test_gpu_check_stops_before_its_runs(two_gpus, tmp_path, data_dir):
     """benchmarks/gpu_check.sh, on the same machine: the entrypoint's line, before it prepares or runs anything."""
     import subprocess

@@ -111,6 +111,7 @@ def restart(tmp_path_factory, resume_data_dir):
         return Restart(Pods(hosts, folder, resume_data_dir))
 
 
+@pytest.mark.slow
 def test_a_pod_killed_mid_epoch_ends_the_other_with_138_and_one_line(restart):
     print(f"\npod 1 SIGKILLed after image {restart.last_backup:,} was backed up: pod 0 exited "
           f"{restart.statuses[0]} {restart.survivor_seconds} s later; both replaced, they finished in "
@@ -125,6 +126,7 @@ def test_a_pod_killed_mid_epoch_ends_the_other_with_138_and_one_line(restart):
     assert not restart.finished_early
 
 
+@pytest.mark.slow
 def test_both_pods_replaced_with_their_indexes_resume_and_train_every_image_once(restart):
     for pod, status in zip(restart.again, restart.again_statuses):
         assert status == 0, pod.stderr[-3000:]
@@ -177,6 +179,7 @@ def test_tf_config_wins_over_the_pod_variables(pod_env, monkeypatch, tmp_path, c
     assert rc == config.EXIT_BAD_INPUT and "TF_CONFIG" in line and "MNIST_WORKERS" not in line
 
 
+@pytest.mark.slow
 def test_a_host_pattern_naming_another_job_is_refused_in_the_pod(tmp_path):
     """In a pod whose host name is the Job's `<job>-<index>`, a pattern naming another job (a Job renamed, its
     variable not) would leave every worker waiting for pods that never come: it is refused at once."""

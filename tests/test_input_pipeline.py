@@ -15,7 +15,7 @@ import tensorflow_datasets as tfds
 
 import data
 import train_mnist_mirrored
-from conftest import NUM_TEST, NUM_TRAIN, ROOT, smoke_args, subprocess_env
+from conftest import NUM_TEST, NUM_TRAIN, ROOT, max_abs_diff, smoke_args, subprocess_env
 
 BUFFER = 100  # smaller than the split, so the shuffle's buffer matters as it does on MNIST (10,000 of 60,000)
 BATCH = 24  # NUM_TRAIN is not a multiple of it: every epoch ends with a short batch
@@ -194,10 +194,7 @@ IN_STEP_SCRIPT = textwrap.dedent("""
 """)
 
 
-def max_abs_diff(a, b):
-    return max(float(np.max(np.abs(np.asarray(u) - np.asarray(v)))) for u, v in zip(a, b))
-
-
+@pytest.mark.slow
 def test_gathering_in_the_step_trains_as_the_gathered_batches(tmp_path):
     out = tmp_path / "weights.json"
     env = {**subprocess_env(), "PYTHONPATH": ROOT}

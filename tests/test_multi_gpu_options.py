@@ -118,6 +118,7 @@ def _train(batches, initial, output_dir, *, epochs, steps_per_execution):
     return net, history
 
 
+@pytest.mark.slow
 def test_warmup_continues_across_a_resume(batches, initial_weights, tmp_path, capsys):
     expected = [expected_rate((epoch + 1) * STEPS - 1, steps_per_epoch=STEPS, scale=2.0, warmup_epochs=2)
                 for epoch in range(WARMUP.epochs)]
@@ -189,6 +190,7 @@ def options_run(tmp_path_factory, data_dir):
         return proc, output_dir, json.load(f)
 
 
+@pytest.mark.slow
 def test_options_run_records_its_choices(options_run):
     _, _, results = options_run
     assert results["global_batch_size"] == RUN_BATCH * results["replicas"]
@@ -200,6 +202,7 @@ def test_options_run_records_its_choices(options_run):
     assert results["eval_accuracy_checkpoint"] == results["eval_accuracy_unreplicated"] == results["eval_accuracy_replicated"]
 
 
+@pytest.mark.slow
 def test_options_run_prints_and_logs_the_rate_really_used(options_run):
     proc, output_dir, results = options_run
     scale = results["learning_rate_scale"]
@@ -213,6 +216,7 @@ def test_options_run_prints_and_logs_the_rate_really_used(options_run):
     assert scalars["epoch_lr"] == pytest.approx(expected, rel=1e-6)
 
 
+@pytest.mark.slow
 def test_mixed_precision_saved_model_serves_float32(options_run, mnist_arrays):
     _, output_dir, _ = options_run
     saved = os.path.join(output_dir, "saved_model")

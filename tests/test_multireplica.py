@@ -7,7 +7,13 @@ import subprocess
 import sys
 import textwrap
 
-from conftest import ROOT, Worker, assert_one_port_warning, finish, free_ports, smoke_args, subprocess_env
+import pytest
+
+from conftest import (ROOT, Worker, assert_one_port_warning, finish, free_ports, max_abs_diff, smoke_args,
+                      subprocess_env)
+
+# Each test here starts whole training runs.
+pytestmark = pytest.mark.slow
 
 # Runs in its own process: logical devices can only be set before TensorFlow's runtime starts.
 ONE_STEP_SCRIPT = textwrap.dedent("""
@@ -74,33 +80,27 @@ ONE_STEP_SCRIPT = textwrap.dedent("""
 """)
 
 
-def _max_abs_diff(a, b):
-    import numpy as np
-
-    return max(float(np.max(np.abs(np.asarray(u) - np.asarray(v)))) for u, v in zip(a, b))
-
-
 def test_two_replicas_average_gradients_like_one(tmp_path):
     out = tmp_path / "weights.json"
     proc = subprocess.run([sys.executable, "-c", ONE_STEP_SCRIPT, str(out)], cwd=ROOT, env={**subprocess_env(), "PYTHONPATH": ROOT},
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     w = json.loads(out.read_text())
-    moved = _max_abs_diff(w["initial"], w["sgd_one"])
+    moved = max_abs_diff(w["initial"], w["sgd_one"])
     assert moved > 1e-3, "the step must change the weights for the comparison to mean anything"
     # Same global batch, split over two replicas: averaged gradients give the one-replica update...
-    assert _max_abs_diff(w["sgd_one"], w["sgd_two"]) < 1e-5 * max(1.0, moved) + 1e-6
+    assert max_abs_diff(w["sgd_one"], w["sgd_two"]) < 1e-5 * max(1.0, moved) + 1e-6
     # ...while summed gradients would equal a one-replica step at twice the rate, which is far away.
-    assert _max_abs_diff(w["sgd_two"], w["sgd_one_double_rate"]) > 100 * _max_abs_diff(w["sgd_one"], w["sgd_two"])
-    assert _max_abs_diff(w["adam_one"], w["adam_two"]) < 1e-5
+    assert max_abs_diff(w["sgd_two"], w["sgd_one_double_rate"]) > 100 * max_abs_diff(w["sgd_one"], w["sgd_two"])
+    assert max_abs_diff(w["adam_one"], w["adam_two"]) < 1e-5
     # Each all-reduce that runs on CPUs gives TensorFlow's default step.
     for name in ("reduce-to-one", "hierarchical-copy"):
-        assert _max_abs_diff(w["sgd_two"], w[f"sgd_two_{name}"]) < 1e-5, name
+        assert max_abs_diff(w["sgd_two"], w[f"sgd_two_{name}"]) < 1e-5, name
     # --allreduce-dtype: the sum is the sum of the gradients cast to that type, back in float32; in 16 bits it
     # differs from float32's by the rounding, and only by that.
     for dtype, expected in w["allreduce_expected"].items():
         assert w["allreduce"][dtype] == expected, dtype
-    assert 0 < _max_abs_diff([w["allreduce"]["bfloat16"]], [w["allreduce"]["float32"]]) < 0.05
+    assert 0 < max_abs_diff([w["allreduce"]["bfloat16"]], [w["allreduce"]["float32"]]) < 0.05
 
 
 def test_two_workers_on_loopback(tmp_path, data_dir):

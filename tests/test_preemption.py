@@ -13,7 +13,10 @@ import pytest
 
 import resume
 from config import EXIT_PREEMPTED
-from conftest import Worker, final_weights, finish, run_entrypoint
+from conftest import EXIT_SECONDS, Worker, final_weights, finish, run_entrypoint, wait_until
+
+# Each test here starts whole training runs.
+pytestmark = pytest.mark.slow
 
 EPOCHS = 3
 BATCH = 8
@@ -21,7 +24,6 @@ STEPS = 1600 // BATCH  # the resume data's 1,600 training images: 200 steps an e
 EVERY = 20
 FLAGS = ["--epochs", str(EPOCHS), "--batch-size-per-replica", str(BATCH), "--steps-per-execution", "5",
          "--backup-every-steps", str(EVERY), "--deterministic", "--seed", "7"]
-EXIT_SECONDS = 60  # a generous bound for "well inside Kubernetes's 30 s grace period" on a loaded test machine
 
 
 def _args(data_dir, output_dir, *extra):
@@ -99,17 +101,19 @@ def test_sigkill_mid_epoch_resumes_at_the_last_backup_bit_identical(tmp_path, re
     proc = worker.proc
     try:
         worker.wait_for(f"Epoch 2/{EPOCHS}")
-        position = (0, 0)
-        while position[0] != 1 or position[1] == 0:  # until a backup inside epoch 2 is written
+
+        def inside_epoch_2():
             assert proc.poll() is None, "the run ended before a backup inside epoch 2"
             try:
                 backed_up = resume.read(backup_dir)
             except Exception:  # noqa: BLE001 - the checkpoint being replaced while read; look again
-                continue
-            if backed_up is not None:
-                position = (backed_up.epoch, backed_up.image // BATCH)
+                return None
+            if backed_up is not None and backed_up.epoch == 1 and backed_up.image // BATCH:
+                return backed_up.epoch, backed_up.image // BATCH
+            return None
+        position = wait_until(inside_epoch_2, "backup inside epoch 2")
         proc.send_signal(signal.SIGKILL)
-        proc.wait(timeout=60)
+        proc.wait(timeout=EXIT_SECONDS)
     finally:
         proc.kill()
     assert proc.returncode == -signal.SIGKILL

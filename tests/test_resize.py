@@ -18,7 +18,7 @@ import data
 import resume
 import train_mnist_mirrored
 from config import Config, EXIT_BAD_INPUT, EXIT_OK, EXIT_PREEMPTED, UsageError
-from conftest import Worker, finish, free_ports
+from conftest import EXIT_SECONDS, WAIT_SECONDS, Worker, finish, free_ports
 from test_multi_gpu_options import expected_rate
 
 NUM_TRAIN = 1600  # conftest's resume data
@@ -28,8 +28,6 @@ SEED = 7
 BUFFER = Config().buffer_size
 FLAGS = ["--batch-size-per-replica", str(BATCH), "--steps-per-execution", "5",
          "--backup-every-steps", "10", "--seed", str(SEED)]
-WAIT_SECONDS = 300
-EXIT_SECONDS = 60  # after SIGTERM: a generous bound for "well inside Kubernetes's 30 s grace period" here
 
 
 def _start(tmp_path, name, data_dir, output_dir, *extra, env=None, epochs=EPOCHS):
@@ -193,6 +191,7 @@ def test_a_backup_without_a_record_is_refused_not_guessed(tmp_path):
     assert resume.read(str(tmp_path / "none")) is None
 
 
+@pytest.mark.slow
 def test_one_replica_to_two_and_the_resized_run_killed(tmp_path, resume_data_dir):
     output_dir = str(tmp_path / "out")
     backup_dir = os.path.join(output_dir, "backup")
@@ -211,7 +210,7 @@ def test_one_replica_to_two_and_the_resized_run_killed(tmp_path, resume_data_dir
     two = _start(tmp_path, "two", resume_data_dir, output_dir, "--cpu-replicas", "2", *scaled)
     second = _wait_for_backup(two, backup_dir, lambda p: _trained(p) > _trained(first))
     two.proc.send_signal(signal.SIGKILL)
-    two.proc.wait(timeout=60)
+    two.proc.wait(timeout=EXIT_SECONDS)
     second = resume.read(backup_dir)  # the last one it wrote
     assert second.settings.global_batch == 2 * BATCH
     _assert_resumed_at(two, first, 2 * BATCH)
@@ -233,6 +232,7 @@ def test_one_replica_to_two_and_the_resized_run_killed(tmp_path, resume_data_dir
         _assert_rates_on_schedule(worker.stdout, global_batch=2 * BATCH, scale_lr=True, warmup_epochs=2)
 
 
+@pytest.mark.slow
 def test_two_replicas_to_one_after_sigkill_keeps_the_warmup_on_epochs(tmp_path, resume_data_dir):
     output_dir = str(tmp_path / "out")
     backup_dir = os.path.join(output_dir, "backup")
@@ -241,7 +241,7 @@ def test_two_replicas_to_one_after_sigkill_keeps_the_warmup_on_epochs(tmp_path, 
     (two,) = [_start(tmp_path, "two", resume_data_dir, output_dir, "--cpu-replicas", "2", *scaled)]
     _wait_for_backup(two, backup_dir, lambda p: p.epoch == 1 and p.image > 0)
     two.proc.send_signal(signal.SIGKILL)
-    two.proc.wait(timeout=60)
+    two.proc.wait(timeout=EXIT_SECONDS)
     first = resume.read(backup_dir)
 
     (one,) = workers = [_start(tmp_path, "one", resume_data_dir, output_dir, *scaled)]
@@ -257,6 +257,7 @@ def test_two_replicas_to_one_after_sigkill_keeps_the_warmup_on_epochs(tmp_path, 
     _assert_rates_on_schedule(one.stdout, global_batch=BATCH, scale_lr=True, warmup_epochs=2)
 
 
+@pytest.mark.slow
 def test_two_workers_to_one_and_back_to_two(tmp_path, resume_data_dir):
     output_dir = str(tmp_path / "out")
     backup_dir = os.path.join(output_dir, "backup")
@@ -347,6 +348,7 @@ def _args(data_dir, output_dir, args, *changed):
     (["--epochs", "1"], "--epochs "),
     ([], "1,600"),  # another dataset: conftest's small one
 ], ids=["seed", "buffer-size", "steps-per-epoch", "scale-lr", "epoch-length", "epochs", "dataset"])
+@pytest.mark.slow
 def test_a_change_the_position_cannot_survive_is_refused(interrupted, resume_data_dir, data_dir, changed, named,
                                                          monkeypatch, capsys):
     monkeypatch.delenv("TF_CONFIG", raising=False)
@@ -366,6 +368,7 @@ def test_a_change_the_position_cannot_survive_is_refused(interrupted, resume_dat
     assert _digest(output_dir) == before  # the backup, byte for byte, and nothing else written
 
 
+@pytest.mark.slow
 def test_after_refusals_the_command_with_more_epochs_resumes(interrupted, resume_data_dir):
     tmp_path, output_dir, args = interrupted
     position = resume.read(os.path.join(output_dir, "backup"))

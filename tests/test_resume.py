@@ -9,6 +9,9 @@ import pytest
 
 from conftest import Worker, final_weights, finish, run_entrypoint
 
+# Each test here starts whole training runs.
+pytestmark = pytest.mark.slow
+
 EPOCHS = 4
 # Enough steps that an epoch lasts long enough to be killed inside it.
 RESUME_FLAGS = ["--epochs", str(EPOCHS), "--batch-size-per-replica", "8", "--steps-per-execution", "1",

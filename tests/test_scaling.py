@@ -6,6 +6,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from conftest import ROOT, subprocess_env
 
 
@@ -14,6 +16,7 @@ def _bench(*args):
                           capture_output=True, text=True, timeout=900)
 
 
+@pytest.mark.slow
 def test_scaling_benchmark_writes_consistent_figures(tmp_path, data_dir):
     out = tmp_path / "scaling.json"
     proc = _bench("--data-dir", data_dir, "--quick", "--rounds", "1", "--allreduce-dtype", "bfloat16",
@@ -47,6 +50,7 @@ def test_scaling_benchmark_writes_consistent_figures(tmp_path, data_dir):
     assert f"2-worker efficiency: {batch['efficiency']:.2f} (CPU {batch['cpu_efficiency']:.2f})" in proc.stdout
 
 
+@pytest.mark.slow
 def test_allreduce_benchmark_prints_each_case():
     proc = subprocess.run([sys.executable, "benchmarks/allreduce.py", "--repeats", "3", "--rounds", "1"], cwd=ROOT,
                           env=subprocess_env(), capture_output=True, text=True, timeout=300)
@@ -58,6 +62,7 @@ def test_allreduce_benchmark_prints_each_case():
     assert all(float(row[1]) > 0 and float(row[2]) > 0 for row in rows.values())
 
 
+@pytest.mark.slow
 def test_scaling_benchmark_refuses_a_bad_batch_list(tmp_path, data_dir):
     proc = _bench("--data-dir", data_dir, "--batches", "64,lots", "--output", str(tmp_path / "s.json"))
     assert proc.returncode == 2

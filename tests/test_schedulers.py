@@ -3,6 +3,7 @@
 import json
 import os
 import signal
+import socket
 import sys
 
 import pytest
@@ -45,6 +46,7 @@ def srun_env(rank, tasks, node="localhost"):
     }
 
 
+@pytest.mark.slow
 def test_two_slurm_tasks_prepare_one_shared_data_dir_and_task_0_writes_outputs(tmp_path, idx_dir):
     """Two tasks of one node, as srun starts them, given the IDX files and one fresh data dir (shared storage)."""
     base = free_ports(2, consecutive=True)[0]
@@ -83,6 +85,7 @@ def tfjob_env(cluster, task_type):
                                      "environment": "cloud"})}
 
 
+@pytest.mark.slow
 def test_tfjob_worker_lost_exits_138_and_restart_resumes(tmp_path, data_dir):
     chief_port, worker_port = free_ports(2)
     cluster = {"chief": [f"127.0.0.1:{chief_port}"], "worker": [f"127.0.0.1:{worker_port}"]}
@@ -120,21 +123,86 @@ def test_tfjob_worker_lost_exits_138_and_restart_resumes(tmp_path, data_dir):
     assert _worker_folders(tmp_path / "worker2") == []
 
 
+# What TensorFlow 2.21 raised in a survivor when its peer was killed or stopped (tests/test_schedulers.py's TFJob run,
+# chief and worker on loopback), from "Collective ops is aborted by:" on; the traceback before it is left out. The
+# message names the task the failed call went to, which may be this one: the chief that said "lost chief 0" of
+# itself had read RESET_NAMING_THIS_TASK.
+ABORTED = "Collective ops is aborted by: "
+NODE = ("\nThe error could be from a previous operation. Restart your program to reset.\n"
+        "\t [[{{node Adam/CollectiveReduceV2}}]] [Op:__inference_train_function_1285]")
+
+
+def rpc_failed(reason, task):
+    """The text of a collective aborted by `reason` in a call to `task` (/job:chief/replica:0/task:0, say)."""
+    return (f"{ABORTED}{reason}\nAdditional GRPC error information from remote target {task} while calling "
+            f"/tensorflow.WorkerService/RecvBuf:\n:UNKNOWN:Error received from peer  {{grpc_status:14, "
+            f'grpc_message:"{reason}"}}{NODE}')
+
+
+RESET_NAMING_THE_PEER = rpc_failed("recvmsg:Connection reset by peer", "/job:worker/replica:0/task:0")
+RESET_NAMING_THIS_TASK = rpc_failed("recvmsg:Connection reset by peer", "/job:chief/replica:0/task:0")
+SOCKET_CLOSED = rpc_failed("Socket closed", "/job:chief/replica:0/task:0")
+HEARTBEATS_STOPPED = (ABORTED + "Error reported from /job:worker/task:0: The following tasks are unhealthy (stopped "
+                      "sending heartbeats):\n/job:worker/replica:0/task:0\nThe tasks have crashed. Check the task logs "
+                      "for an earlier error, or scheduler events (e.g. preemption, eviction) to debug further." + NODE)
+LEADER_HEARTBEAT = ABORTED + "Deadline Exceeded\n\nRPC: /tensorflow.CoordinationService/Heartbeat" + NODE
+
+
+@pytest.fixture
+def tfjob_cluster():
+    """A TFJob's chief and worker as each sees the cluster, on ports of their own. `answering` holds a listening
+    socket on a task's port (a process alive, or stopped: the kernel still accepts); any other port refuses, as a
+    killed process's does."""
+    import tensorflow as tf
+
+    ports = dict(zip(("chief", "worker"), free_ports(2)))
+    spec = tf.train.ClusterSpec({task: [f"127.0.0.1:{port}"] for task, port in ports.items()})
+    listeners = []
+
+    def seen_by(task_type, answering=()):
+        for task in answering:
+            listener = socket.socket()
+            listener.bind(("127.0.0.1", ports[task]))
+            listener.listen()
+            listeners.append(listener)
+        return tf.distribute.cluster_resolver.SimpleClusterResolver(spec, task_type=task_type, task_id=0)
+
+    yield seen_by
+    for listener in listeners:
+        listener.close()
+
+
+@pytest.mark.parametrize("survivor, answering, message, lost", [
+    # A killed peer's port refuses: that names it, whatever the message names.
+    ("chief", [], RESET_NAMING_THE_PEER, "lost worker 0 of this multi-worker run (recvmsg:Connection reset by peer)"),
+    ("chief", [], RESET_NAMING_THIS_TASK, "lost worker 0 of this multi-worker run (recvmsg:Connection reset by peer)"),
+    ("worker", [], SOCKET_CLOSED, "lost chief 0 of this multi-worker run (Socket closed)"),
+    # A stopped peer's port still answers: the message's other task, or the coordination service's host.
+    ("chief", ["worker"], RESET_NAMING_THE_PEER, "lost worker 0 of this multi-worker run ("),
+    ("chief", ["worker"], HEARTBEATS_STOPPED, "lost worker 0 of this multi-worker run (Error reported from "),
+    ("worker", ["chief"], LEADER_HEARTBEAT, "lost chief 0 of this multi-worker run (Deadline Exceeded)"),
+    # The peer answers and the message names only this task: which one was lost is not known, and it says so.
+    ("chief", ["worker"], RESET_NAMING_THIS_TASK, "lost a worker of this multi-worker run, but cannot tell which"),
+], ids=["reset-peer-named", "reset-self-named", "socket-closed", "stopped-peer-named", "heartbeats-stopped",
+        "leader-stopped", "self-named-peer-answers"])
+def test_a_survivor_names_the_worker_it_lost_never_itself(tfjob_cluster, survivor, answering, message, lost):
+    said = worker_group.lost_workers(tfjob_cluster(survivor, answering), message)
+    assert said.startswith(lost), said
+    assert not said.startswith(f"lost {survivor} 0 "), said
+
+
 def test_lost_peer_is_named_only_for_multiworker_collective_failures():
     import tensorflow as tf
 
-    reset = ("Collective ops is aborted by: Socket closed\nAdditional GRPC error information from remote target "
-             "/job:worker/replica:0/task:1 while calling /tensorflow.WorkerService/RecvBuf:")
     multi, single = config.Config(strategy="multiworker"), config.Config()
-    assert worker_group.lost_peer(multi, tf.errors.UnavailableError(None, None, reset)) == (
-        "lost worker 1 of this multi-worker run (Socket closed)")
-    leader = "Collective ops is aborted by: Deadline Exceeded\n\nRPC: /tensorflow.CoordinationService/Heartbeat"
-    assert "coordination service" in worker_group.lost_peer(
-        multi, tf.errors.DeadlineExceededError(None, None, leader))
+    # Before the cluster formed, nothing tells which worker is gone.
+    assert worker_group.lost_peer(multi, tf.errors.UnavailableError(None, None, RESET_NAMING_THIS_TASK)) == (
+        "lost a worker of this multi-worker run, but cannot tell which (recvmsg:Connection reset by peer)")
+    assert worker_group.lost_peer(multi, tf.errors.DeadlineExceededError(None, None, LEADER_HEARTBEAT))
     # Other errors keep their own status and traceback: only a multi-worker run loses peers.
-    assert worker_group.lost_peer(single, tf.errors.UnavailableError(None, None, reset)) is None
-    assert worker_group.lost_peer(multi, tf.errors.InvalidArgumentError(None, None, reset)) is None
-    assert worker_group.lost_peer(multi, ValueError(reset)) is None
+    assert worker_group.lost_peer(single, tf.errors.UnavailableError(None, None, RESET_NAMING_THE_PEER)) is None
+    assert worker_group.lost_peer(multi, tf.errors.InvalidArgumentError(None, None, RESET_NAMING_THE_PEER)) is None
+    assert worker_group.lost_peer(multi, ValueError(RESET_NAMING_THE_PEER)) is None
 
 
 # ---------------------------------------------------------------- bad Slurm variables and options: exit 2

@@ -13,6 +13,9 @@ import config
 import netns
 from conftest import Worker, backed_up_images, images_at, skip_unless_ci, started, wait_for_backup_after
 
+# Each test here starts whole training runs.
+pytestmark = pytest.mark.slow
+
 BATCH = 8
 EPOCH_IMAGES = 1600  # the resume data's training images: on two replicas, 100 steps an epoch
 EPOCHS = 2

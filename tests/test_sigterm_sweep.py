@@ -9,10 +9,12 @@ import time
 import pytest
 
 from config import EXIT_OK, EXIT_PREEMPTED
-from conftest import SMOKE_EPOCHS, SMOKE_BATCH, SMOKE_STEPS, Worker, finish, smoke_args
+from conftest import EXIT_SECONDS, SMOKE_BATCH, SMOKE_EPOCHS, SMOKE_STEPS, Worker, finish, smoke_args, wait_until
+
+# Each test here starts whole training runs.
+pytestmark = pytest.mark.slow
 
 MOMENTS = 8  # spread evenly over an uninterrupted run's length
-EXIT_SECONDS = 30  # a bound against hangs; the note and docs/faults.md give the measured times
 TOTAL_IMAGES = SMOKE_EPOCHS * SMOKE_STEPS * SMOKE_BATCH
 
 
@@ -43,9 +45,11 @@ def test_sigterm_at_any_moment_ends_cleanly_and_the_restart_finishes(tmp_path, d
         delay = run_seconds * (moment + 0.5) / MOMENTS
         out = tmp_path / f"out{moment}"
         worker = Worker(smoke_args(data_dir, str(out)), {}, tmp_path, f"term{moment}")
-        while not _sigterm_blocked(worker.proc.pid):
+
+        def blocked():
             assert worker.proc.poll() is None, worker.stderr[-3000:]
-            time.sleep(0.01)
+            return _sigterm_blocked(worker.proc.pid)
+        wait_until(blocked, "SIGTERM blocked in the process")
         time.sleep(delay)
         stage = (worker.stdout.strip().splitlines() or ["(nothing printed yet)"])[-1][-70:]
         sent = time.monotonic()

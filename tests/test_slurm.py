@@ -25,9 +25,12 @@ import pytest
 import config
 import netns
 import slurm_cluster
-from conftest import (ROOT, backed_up_images, free_ports, images_at, skip_unless_ci, started,
+from conftest import (EXIT_SECONDS, ROOT, backed_up_images, free_ports, images_at, skip_unless_ci, started,
                       wait_for_backup_after)
 from slurm_cluster import Node, SlurmCluster, wait_for_text, watch
+
+# Each test here starts whole training runs.
+pytestmark = pytest.mark.slow
 
 SCRIPT = "deploy/slurm.sbatch"
 BATCH = 8
@@ -38,7 +41,6 @@ FLAGS = ["--epochs", str(EPOCHS), "--batch-size-per-replica", str(BATCH), "--ste
 # The batch script asks for two nodes of one task; one node runs both tasks here.
 ONE_NODE = ["--nodes=1", "--ntasks=2", "--ntasks-per-node=2", "--cpus-per-task=1"]
 JOB_SECONDS = 300  # a guard against a hang; a job takes 20-45 s here
-EXIT_SECONDS = 60  # a generous bound for a signalled job's end on a loaded test machine
 # Inside the two namespaces every port is free: Slurm's own defaults.
 SLURMCTLD_PORT, SLURMD_PORT = 6817, 6818
 

@@ -235,6 +235,7 @@ def _predict_in_fresh_process(script, model_path, images, tmp_path):
     return np.load(out_path)
 
 
+@pytest.mark.slow
 def test_saved_model_serves_same_predictions_without_project_code(smoke_ok, test_images, checkpoint_predictions,
                                                                   tmp_path):
     served = _predict_in_fresh_process(SERVE_SCRIPT, smoke_ok.path("saved_model"), test_images[0], tmp_path)
@@ -256,6 +257,7 @@ KERAS3_SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_model_keras_loads_in_keras_3_and_predicts_like_the_checkpoint(smoke_ok, test_images, checkpoint_predictions,
                                                                        tmp_path):
     # Written beside saved_model/, under a temporary name that does not stay behind.
@@ -266,6 +268,7 @@ def test_model_keras_loads_in_keras_3_and_predicts_like_the_checkpoint(smoke_ok,
     np.testing.assert_allclose(predicted, checkpoint_predictions, atol=1e-5, rtol=0)
 
 
+@pytest.mark.slow
 def test_saved_model_cli_shows_serving_default(smoke_ok, tmp_path):
     proc = subprocess.run([sys.executable, "-m", "tensorflow.python.tools.saved_model_cli", "show",
                            "--dir", smoke_ok.path("saved_model"), "--all"],

@@ -29,14 +29,14 @@ ROOMY_SIZE = "64m"  # room for the whole run
 def _mount(directory, size):
     directory.mkdir(exist_ok=True)
     done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(directory)],
-                          capture_output=True, text=True)
+                          capture_output=True, text=True, timeout=60)
     if done.returncode:
         skip_unless_ci(f"cannot mount a tmpfs: {done.stderr.strip()}")
     return directory
 
 
 def _unmount(directory):
-    subprocess.run(["umount", str(directory)], check=True)
+    subprocess.run(["umount", str(directory)], check=True, timeout=60)
 
 
 def _args(data_dir, output_dir):
@@ -71,6 +71,7 @@ def full_disk(tmp_path_factory, resume_data_dir):
         _unmount(mount)
 
 
+@pytest.mark.slow
 def test_a_full_disk_says_so_in_one_line_and_the_same_command_resumes_with_room(full_disk, resume_data_dir):
     run, mount, _ = full_disk
     assert run.returncode == 2, run.stderr[-3000:]
@@ -82,13 +83,14 @@ def test_a_full_disk_says_so_in_one_line_and_the_same_command_resumes_with_room(
     # Two backups were written before the third found no room; both are whole.
     assert backed_up_images(str(mount / "backup")) == 2 * EVERY * BATCH
 
-    subprocess.run(["mount", "-o", f"remount,size={ROOMY_SIZE}", str(mount)], check=True)
+    subprocess.run(["mount", "-o", f"remount,size={ROOMY_SIZE}", str(mount)], check=True, timeout=60)
     again = run_entrypoint(_args(resume_data_dir, mount), mount.parent)
     assert again.returncode == 0, again.stderr[-3000:]
     assert "Resuming from the backup" in again.stdout
     assert _every_image_once(mount)["resumed_after_images"] == 2 * EVERY * BATCH
 
 
+@pytest.mark.slow
 def test_a_damaged_latest_backup_resumes_from_the_one_before(full_disk, resume_data_dir):
     _, _, copies = full_disk
     output_dir = copies["latest_damaged"]
@@ -104,6 +106,7 @@ def test_a_damaged_latest_backup_resumes_from_the_one_before(full_disk, resume_d
     assert _every_image_once(output_dir)["resumed_after_images"] == EVERY * BATCH
 
 
+@pytest.mark.slow
 def test_a_backup_with_no_whole_checkpoint_is_refused_and_left_as_it_was(full_disk, resume_data_dir):
     _, _, copies = full_disk
     output_dir = copies["all_damaged"]

@@ -58,6 +58,7 @@ def test_a_failed_start_shows_every_held_line_and_the_error_propagates(capfd):
     assert capfd.readouterr().err == "after\n"
 
 
+@pytest.mark.slow
 def test_verbose_start_shows_tensorflows_own_notices():
     """The real thing, in a fresh process: what TensorFlow prints while it starts is replayed with --verbose."""
     script = "import terminal as t; t.start_tensorflow(verbose=True); print('started')"

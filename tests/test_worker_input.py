@@ -7,7 +7,12 @@ import subprocess
 import sys
 import textwrap
 
-from conftest import ROOT, free_ports, subprocess_env
+import pytest
+
+from conftest import ROOT, free_ports, max_abs_diff, subprocess_env
+
+# Each test here starts whole training runs.
+pytestmark = pytest.mark.slow
 
 # Runs in each worker's process: a strategy needs a process of its own.
 WORKER_SCRIPT = textwrap.dedent("""
@@ -84,12 +89,6 @@ WORKER_SCRIPT = textwrap.dedent("""
 """)
 
 
-def _max_abs_diff(a, b):
-    import numpy as np
-
-    return max(float(np.max(np.abs(np.asarray(u) - np.asarray(v)))) for u, v in zip(a, b))
-
-
 def test_two_workers_get_keras_shares_and_gradients(tmp_path):
     cluster = {"worker": [f"127.0.0.1:{port}" for port in free_ports(2)]}
     procs = []
@@ -120,10 +119,10 @@ def test_two_workers_get_keras_shares_and_gradients(tmp_path):
             assert real == ([4, 4] if step % steps < steps - 1 else last_shares)
             assert sizes == [max(n, 1) for n in real]
         # The same gradients, so the same weights after two epochs of SGD (partial batches included), on both.
-        moved = _max_abs_diff(workers[0][f"initial_{num_examples}"], workers[0][f"weights_keras_{num_examples}"])
+        moved = max_abs_diff(workers[0][f"initial_{num_examples}"], workers[0][f"weights_keras_{num_examples}"])
         assert moved > 1e-3, "training must move the weights for the comparison to mean anything"
         for w in workers:
-            assert _max_abs_diff(w[f"weights_project_{num_examples}"], w[f"weights_keras_{num_examples}"]) < 1e-6
+            assert max_abs_diff(w[f"weights_project_{num_examples}"], w[f"weights_keras_{num_examples}"]) < 1e-6
     # Step logs are the metrics as they are, not summed over the two workers (Keras's default doubled them).
     for w in workers:
         assert set(w["step_logs"]) == {"loss", "accuracy"}
