@@ -229,16 +229,25 @@ def index_batches(num_examples, *, buffer_size, seed, global_batch, first_epoch,
     Each epoch is the first `epoch_images` of its order (all of it, unless --steps-per-epoch cuts it),
     batched from its own first image, or from `first_image` for the epoch a resumed run finishes; an
     epoch's last batch holds what is left of it, so it may be short, and no batch spans two epochs.
+
+    Each epoch's order is drawn whole, one epoch ahead, and its batches are slices of it: drawing it example by
+    example beside the training step, through tf.data's per-example machinery, cost several per cent of a step
+    on a fast core (docs/performance.md).
     """
-    def one_epoch(epoch):
+    def one_order(epoch):
         first = first_image if epoch == first_epoch else 0
         order = epoch_order(num_examples, buffer_size=buffer_size, seed=seed, epoch=epoch)
-        return order.take(epoch_images).skip(first).batch(global_batch)
+        return order.take(epoch_images).batch(epoch_images).map(lambda whole: (whole, tf.constant(first, tf.int64)))
+
+    def batches(order, first):
+        starts = tf.data.Dataset.range(first, tf.shape(order, out_type=tf.int64)[0], global_batch)
+        return starts.map(lambda start: order[start:start + global_batch])
 
     # One dataset per epoch, chained in Python: each shuffle's seed is then a number, not a tensor, which
     # TensorFlow's seeding cannot compare with 0 when the global seed is 0 (`--seed 0` failed to trace).
-    nothing = tf.data.Dataset.range(0).batch(global_batch)
-    return functools.reduce(tf.data.Dataset.concatenate, map(one_epoch, range(first_epoch, epochs)), nothing)
+    orders = functools.reduce(tf.data.Dataset.concatenate, map(one_order, range(first_epoch + 1, epochs)),
+                              one_order(first_epoch))
+    return orders.prefetch(1).flat_map(batches)
 
 
 def train_indices(num_examples, *, buffer_size, global_batch, seed, first_epoch, first_image, epoch_images, epochs,
