@@ -221,8 +221,8 @@ def test_every_pod_finds_its_workers_and_runs_options_the_entrypoint_accepts(nam
     assert [p["containerPort"] for p in container["ports"]] == [int(env["MNIST_WORKER_PORT"])]
     expected = [f"{host.format(index=i)}.{subdomain}:{env['MNIST_WORKER_PORT']}" for i in range(workers)]
     for index in range(workers):
-        found = worker_sources.indexed_job({**env, "JOB_COMPLETION_INDEX": str(index)}, host.format(index=index))
-        assert found == (index, expected)
+        found = worker_sources.IndexedJob({**env, "JOB_COMPLETION_INDEX": str(index)}, host.format(index=index))
+        assert (found.rank, found.count, found.addresses) == (index, workers, expected)
     cfg = parsed(container["command"] + container.get("args", []))
     assert cfg.strategy == "multiworker"
     mounts = [m["mountPath"] for m in container["volumeMounts"]]
