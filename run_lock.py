@@ -59,12 +59,15 @@ def take(cfg):
     created = _missing_folders(cfg.output_dir)
     os.makedirs(cfg.output_dir, exist_ok=True)
     for _ in range(ATTEMPTS):
+        existed = os.path.exists(path)
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as err:
             os.close(fd)
             if err.errno in UNSUPPORTED:
+                if not existed:
+                    os.remove(path)  # it would say nothing true
                 print(f"warning: the file system of {cfg.output_dir} keeps no file locks ({err.strerror}), so a "
                       "second run into this folder would not be stopped; run one at a time there (docs/faults.md, "
                       "\"One run per folder\")", file=sys.stderr)
@@ -74,8 +77,11 @@ def take(cfg):
             raise UsageError(f"{cfg.output_dir} is in use by another run ({holder(path)}); wait for it to end "
                              "or stop it, or choose another --output-dir") from None
         # The run that held it may have removed the file between our open and our lock: lock the one now there.
-        if os.path.exists(path) and os.path.samestat(os.stat(path), os.fstat(fd)):
-            break
+        try:
+            if os.path.samestat(os.stat(path), os.fstat(fd)):
+                break
+        except FileNotFoundError:
+            pass
         os.close(fd)
     else:
         raise UsageError(f"could not lock {path}: it keeps being removed; stop whatever removes it, then run again")

@@ -82,7 +82,7 @@ def test_a_second_run_into_a_held_folder_is_refused_and_the_first_finishes(tmp_p
 @pytest.mark.slow
 def test_a_holder_killed_outright_blocks_nothing_and_the_same_command_resumes(tmp_path, resume_data_dir):
     output_dir = str(tmp_path / "out")
-    args = ["--epochs", "1", "--batch-size-per-replica", "8", "--steps-per-execution", "5",
+    args = ["--epochs", "1", "--batch-size-per-replica", "32", "--steps-per-execution", "5",
             "--backup-every-steps", "10", "--data-dir", resume_data_dir, "--output-dir", output_dir]
     lock = os.path.join(output_dir, config.Config().lock_file)
     backup_dir = os.path.join(output_dir, "backup")
@@ -159,6 +159,7 @@ def test_a_file_system_without_locks_gets_one_warning_and_the_run_goes_on(tmp_pa
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("warning: ") and "keeps no file locks" in lines[0], lines
     assert os.strerror(errno.ENOLCK) in lines[0] and "docs/faults.md" in lines[0]
+    assert os.listdir(cfg.output_dir) == []  # no lock file that would say nothing true
 
 
 def test_a_refused_run_that_made_the_folder_leaves_nothing(tmp_path, capsys):
