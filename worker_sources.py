@@ -1,13 +1,13 @@
-"""Where the workers of `--strategy multiworker` come from: TF_CONFIG, a Kubernetes Indexed Job, or Slurm's srun
-(beside the tutorial's step 1).
+"""Where the workers of `--strategy multiworker` come from: TF_CONFIG, a Kubeflow TrainJob, a Kubernetes Indexed
+Job, or Slurm's srun (beside the tutorial's step 1).
 
 Each source is one small class, as Lightning's cluster environments are: `detect` says whether the environment
 is that source's; made from the environment, it checks it before TensorFlow starts, so that a mistake is one
 `error:` line and exit 2, and knows this worker's `rank` among `count` (rank 0 is the chief); `resolver` then
 gives TensorFlow the same cluster. The first of SOURCES that detects its variables wins: TF_CONFIG (Kubeflow's
-TFJob writes it), then an Indexed Job's pod, which knows its index (JOB_COMPLETION_INDEX) and, from variables its
-manifest sets, how many workers there are and their stable host names, `<job>-<index>.<service>`; then the
-variables srun sets for each task. How the workers come together and leave is worker_group.py.
+TFJob writes it), then a Kubeflow TrainJob's pod or an Indexed Job's, which knows its index (JOB_COMPLETION_INDEX)
+and, from variables its manifest sets, how many workers there are and their stable host names; then the variables
+srun sets for each task. How the workers come together and leave is worker_group.py.
 """
 
 import json
@@ -51,7 +51,7 @@ class TFConfig:
         raw, fix = environ.get("TF_CONFIG"), self.FIX
         if not raw:
             raise UsageError("--strategy multiworker needs the TF_CONFIG environment variable, a Kubernetes Indexed "
-                             "Job's variables (deploy/indexed-job.yaml), or to be started by Slurm's srun (one task "
+                             "Job's or TrainJob's variables (deploy/), or to be started by Slurm's srun (one task "
                              f"per worker); {fix}")
         try:
             spec = json.loads(raw)
@@ -90,46 +90,92 @@ class IndexedJob:
     """
 
     name = "Indexed Job"
+    POD = "a Kubernetes Indexed Job's pod"
+    VARS = config.INDEXED_JOB_VARS
     FIX = ("set the pod's variables as deploy/indexed-job.yaml does (docs/clusters.md, \"Kubernetes\"), or set "
            "TF_CONFIG")
+    COUNT = "the Job's completions and parallelism"
 
-    @staticmethod
-    def detect(environ):
-        return any(name in environ for name in config.INDEXED_JOB_VARS)
+    @classmethod
+    def detect(cls, environ):
+        return any(name in environ for name in cls.VARS)
 
     def __init__(self, environ, host):
-        fix = self.FIX
-        missing = [name for name in config.INDEXED_JOB_VARS if not environ.get(name)]
+        missing = [name for name in self.VARS if not environ.get(name)]
         if missing:
-            raise UsageError(f"{', '.join(missing)} not set: a Kubernetes Indexed Job's pod needs all of "
-                             f"{', '.join(config.INDEXED_JOB_VARS)} (the Job controller sets the first); {fix}")
+            raise UsageError(f"{', '.join(missing)} not set: {self.POD} needs all of "
+                             f"{', '.join(self.VARS)} (the Job controller sets the first); {self.FIX}")
         index, workers, port = _whole_numbers(environ, ("JOB_COMPLETION_INDEX", "MNIST_WORKERS", "MNIST_WORKER_PORT"),
-                                              fix)
+                                              self.FIX)
         if workers < 1 or not 0 <= index < workers:
             raise UsageError(f"JOB_COMPLETION_INDEX={index} is not a worker of MNIST_WORKERS={workers}; give "
-                             "MNIST_WORKERS the Job's completions and parallelism")
+                             f"MNIST_WORKERS {self.COUNT}")
         if not 1 <= port <= config.MAX_PORT:
-            raise UsageError(f"MNIST_WORKER_PORT={port} is not a port number, 1-{config.MAX_PORT}; {fix}")
+            raise UsageError(f"MNIST_WORKER_PORT={port} is not a port number, 1-{config.MAX_PORT}; {self.FIX}")
+        hosts = self.hosts(environ, workers)
+        # The Job controller names this pod's host after its Job and index (a pod on the node's network,
+        # hostNetwork, has the node's name instead): names of another job would leave every worker waiting for
+        # pods that never come.
+        if host.endswith(f"-{index}") and hosts[index].split(".")[0] != host:
+            self.refuse_host(environ, hosts[index], host)
+        self.rank, self.count = index, workers
+        self.addresses = [f"{h}:{port}" for h in hosts]
+
+    @staticmethod
+    def hosts(environ, workers):
+        """Every worker's host name, from MNIST_WORKER_HOST."""
         pattern = environ["MNIST_WORKER_HOST"]
         hosts = [pattern.replace("{index}", str(i)) for i in range(workers)]
         if pattern.count("{index}") != 1 or not all(HOST_NAME.fullmatch(h) for h in hosts):
             raise UsageError(f"MNIST_WORKER_HOST={pattern!r} is not a host name with {{index}} standing for the "
-                             "worker's index, like <job>-{index}.<service>; " + fix)
-        # The Job controller names this pod's host `<job>-<index>` (a pod on the node's network, hostNetwork, has
-        # the node's name instead): a pattern naming another job would leave every worker waiting for pods that
-        # never come.
-        if host.endswith(f"-{index}") and hosts[index].split(".")[0] != host:
-            raise UsageError(f"MNIST_WORKER_HOST={pattern!r} names this pod {hosts[index]}, but its host name is "
-                             f"{host}; start the pattern with the Job's name, <job>-{{index}}, and follow it with "
-                             "the headless Service that is the pod's subdomain")
-        self.rank, self.count = index, workers
-        self.addresses = [f"{h}:{port}" for h in hosts]
+                             "worker's index, like <job>-{index}.<service>; " + IndexedJob.FIX)
+        return hosts
+
+    @staticmethod
+    def refuse_host(environ, named, host):
+        raise UsageError(f"MNIST_WORKER_HOST={environ['MNIST_WORKER_HOST']!r} names this pod {named}, but its host "
+                         f"name is {host}; start the pattern with the Job's name, <job>-{{index}}, and follow it "
+                         "with the headless Service that is the pod's subdomain")
 
     def resolver(self, cfg, tf):
         # Worker 0 is the chief, as in a TF_CONFIG without a "chief" list; the GPUs are this pod's own.
         return tf.distribute.cluster_resolver.SimpleClusterResolver(
             tf.train.ClusterSpec({"worker": self.addresses}), task_type="worker", task_id=self.rank,
             rpc_layer="grpc", num_accelerators={"GPU": len(tf.config.list_physical_devices("GPU"))})
+
+
+class TrainJob(IndexedJob):
+    """A pod of a Kubeflow Trainer TrainJob on a runtime that names no framework (Trainer's plainml plugin).
+
+    Trainer runs the TrainJob as a JobSet of its name, whose replicated job `node` has numNodes pods: pod i's host
+    is `<trainjob>-node-0-<i>`, and the JobSet's headless Service, of the TrainJob's name too, makes
+    `<trainjob>-node-0-<i>.<trainjob>` resolve to it. The runtime gives the TrainJob's name (MNIST_TRAINJOB, from
+    the JobSet's label on the pod) and the port; the TrainJob gives the count (deploy/trainjob.yaml).
+    """
+
+    name = "TrainJob"
+    POD = "a Kubeflow TrainJob's pod"
+    VARS = config.TRAINJOB_VARS
+    FIX = "set the variables as deploy/trainjob.yaml does (docs/clusters.md, \"Kubeflow Trainer\"), or set TF_CONFIG"
+    COUNT = "the TrainJob's numNodes"
+
+    @staticmethod
+    def detect(environ):
+        return "MNIST_TRAINJOB" in environ
+
+    @staticmethod
+    def hosts(environ, workers):
+        job = environ["MNIST_TRAINJOB"]
+        if not HOST_NAME.fullmatch(job) or "." in job:
+            raise UsageError(f"MNIST_TRAINJOB={job!r} is not a TrainJob's name (a DNS label); give it the JobSet's "
+                             f"label {config.TRAINJOB_NAME_LABEL}, as deploy/trainjob.yaml does")
+        return [f"{job}-{config.TRAINJOB_REPLICATED_JOB}-0-{i}.{job}" for i in range(workers)]
+
+    @staticmethod
+    def refuse_host(environ, named, host):
+        raise UsageError(f"MNIST_TRAINJOB={environ['MNIST_TRAINJOB']!r} names this pod {named}, but its host name is "
+                         f"{host}; give MNIST_TRAINJOB the JobSet's label {config.TRAINJOB_NAME_LABEL}, and name the "
+                         f"runtime's replicated job {config.TRAINJOB_REPLICATED_JOB!r}, as deploy/trainjob.yaml does")
 
 
 class Slurm:
@@ -182,7 +228,7 @@ class Slurm:
 
 
 # The first whose variables are set describes the cluster; with none, TF_CONFIG's check says what is missing.
-SOURCES = (TFConfig, IndexedJob, Slurm)
+SOURCES = (TFConfig, TrainJob, IndexedJob, Slurm)
 
 
 def find(environ, host):
