@@ -125,7 +125,9 @@ def test_the_chief_of_each_source_is_refused_where_another_run_holds_the_folder(
             monkeypatch.delenv(name)
         for name, value in environ.items():
             monkeypatch.setenv(name, value)
-        status = train_mnist_mirrored.main(["--strategy", "multiworker", "--output-dir", str(output_dir)])
+        # Were the lock not taken, the run would wait this long for workers that never come, then exit 138.
+        status = train_mnist_mirrored.main(["--strategy", "multiworker", "--cluster-timeout", "5",
+                                            "--output-dir", str(output_dir)])
     finally:
         holder.stdin.close()
         holder.wait(timeout=30)
