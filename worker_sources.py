@@ -39,7 +39,6 @@ def _whole_numbers(environ, names, fix):
 class TFConfig:
     """TF_CONFIG's cluster and task, as written by hand or by Kubeflow's TFJob (chief included)."""
 
-    name = "TF_CONFIG"
     FIX = ('set TF_CONFIG like {"cluster": {"worker": ["host1:port", "host2:port"]}, '
            '"task": {"type": "worker", "index": 0}}')
 
@@ -89,7 +88,6 @@ class IndexedJob:
     "Kubernetes"). The manifest gives the count, that name with {index} for the index, and the port.
     """
 
-    name = "Indexed Job"
     POD = "a Kubernetes Indexed Job's pod"
     VARS = config.INDEXED_JOB_VARS
     FIX = ("set the pod's variables as deploy/indexed-job.yaml does (docs/clusters.md, \"Kubernetes\"), or set "
@@ -153,7 +151,6 @@ class TrainJob(IndexedJob):
     the JobSet's label on the pod) and the port; the TrainJob gives the count (deploy/trainjob.yaml).
     """
 
-    name = "TrainJob"
     POD = "a Kubeflow TrainJob's pod"
     VARS = config.TRAINJOB_VARS
     FIX = "set the variables as deploy/trainjob.yaml does (docs/clusters.md, \"Kubeflow Trainer\"), or set TF_CONFIG"
@@ -185,7 +182,6 @@ class Slurm:
     TensorFlow starts. It checks the host and tasks-per-node lists itself, when the strategy is made.
     """
 
-    name = "Slurm"
     FIX = "start one task per worker with srun inside the job (docs/clusters.md, \"Slurm\"), or set TF_CONFIG"
 
     @staticmethod
