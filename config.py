@@ -51,6 +51,12 @@ SLURM_STEP_VARS = ("SLURM_PROCID", "SLURM_STEP_NUM_TASKS", "SLURM_STEP_NODELIST"
 # (deploy/indexed-job.yaml) the worker count, every worker's host name with {index} standing for its index, and
 # the port every worker listens on.
 INDEXED_JOB_VARS = ("JOB_COMPLETION_INDEX", "MNIST_WORKERS", "MNIST_WORKER_HOST", "MNIST_WORKER_PORT")
+# What each pod of a Kubeflow TrainJob is told (deploy/trainjob.yaml): its index, the TrainJob's name (its runtime
+# reads the JobSet's label below), the worker count and the port. Trainer names the JobSet after the TrainJob and
+# runs its pods as the replicated job below.
+TRAINJOB_VARS = ("JOB_COMPLETION_INDEX", "MNIST_TRAINJOB", "MNIST_WORKERS", "MNIST_WORKER_PORT")
+TRAINJOB_NAME_LABEL = "jobset.sigs.k8s.io/jobset-name"
+TRAINJOB_REPLICATED_JOB = "node"
 MAX_PORT = 65535
 # Under srun without --slurm-port-base, a job's node's first worker listens on SLURM_PORT_FIRST plus
 # SLURM_PORTS_PER_JOB times (SLURM_JOB_ID modulo SLURM_PORT_SLOTS): jobs sharing a node take different blocks of
@@ -93,7 +99,8 @@ class Config:
     buffer_size: int = _option(10000, "shuffle buffer size, in examples", DATA)
 
     strategy: str = _option("mirrored", "distribution strategy; multiworker reads the cluster from TF_CONFIG or, "
-                                        "without it, from a Kubernetes Indexed Job's variables or Slurm's srun's",
+                                        "without it, from a Kubeflow TrainJob's or Kubernetes Indexed Job's "
+                                        "variables, or Slurm's srun's",
                         CLUSTER, choices=STRATEGIES)
     cpu_replicas: int = _option(0, "split the host CPU into N logical devices and mirror across them (0: off)", CLUSTER)
     devices: typing.Optional[str] = _option(None, "comma-separated devices to mirror across, e.g. /gpu:0,/gpu:1; unset means all GPUs", CLUSTER)
@@ -158,6 +165,7 @@ class Config:
     keras_model_file: str = "model.keras"  # Keras 3's own format, beside the SavedModel
     backup_dir: str = "backup"
     results_file: str = "results.json"
+    lock_file: str = "run.lock"  # held by the run writing here (run_lock.py)
 
     def path(self, name):
         return os.path.join(self.output_dir, name)

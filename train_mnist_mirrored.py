@@ -25,6 +25,7 @@ os.environ.setdefault("TF_CPU_ALLOCATOR_USE_BFC", "true")
 import config
 import gpu_box
 import outputs
+import run_lock
 import sigterm
 import terminal
 import worker_group
@@ -223,7 +224,9 @@ def outcome(args, preemption):
     cfg = None
     try:
         cfg = config.validate(config.from_args(args))
-        worker_sources.check(cfg, os.environ)
+        workers = worker_sources.check(cfg, os.environ)
+        if workers is None or workers.rank == 0:
+            run_lock.take(cfg)  # the chief's, until this process ends
         outputs.refuse_finished_run(cfg)
         return run(cfg, preemption), None
     except UsageError as err:
@@ -255,6 +258,7 @@ def main(argv=None):
         print(line, file=sys.stderr)
     if worker_group.started():
         worker_group.leave(status)
+    run_lock.release()
     return status
 
 

@@ -1,9 +1,10 @@
 """deploy/: the Slurm batch script and the Kubernetes manifests run commands the entrypoint accepts.
 
 Real Slurm runs the batch script in tests/test_slurm.py; here, without any daemon, a stand-in `srun` records
-the command the script gives it. The Indexed Job, its Service and the JobSet are checked offline: against
-Kubernetes' own schemas (kubernetes-validate) and JobSet's CRD, then for what an API server or a controller
-would do with them that no schema says. tests/test_indexed_job.py runs the Indexed Job's pods as separate hosts.
+the command the script gives it. The Indexed Job, its Service, the JobSet, and the TrainJob with its runtime are
+checked offline: against Kubernetes' own schemas (kubernetes-validate) and the CRDs of JobSet and Kubeflow Trainer,
+then for what an API server or a controller would do with them that no schema says. tests/test_indexed_job.py
+runs the Indexed Job's and the TrainJob's pods as separate hosts.
 """
 
 import copy
@@ -18,14 +19,13 @@ import yaml
 
 import config
 import worker_sources
-from conftest import ROOT, skip_unless_ci
+from conftest import INDEXED_JOB, JOBSET, ROOT, TRAINJOB, documents, job_specs, skip_unless_ci, trainer
 
 SBATCH = os.path.join(ROOT, "deploy", "slurm.sbatch")
 TFJOB = os.path.join(ROOT, "deploy", "tfjob.yaml")
-INDEXED_JOB = os.path.join(ROOT, "deploy", "indexed-job.yaml")
-JOBSET = os.path.join(ROOT, "deploy", "jobset.yaml")
-# JobSet's CRD (kubernetes-sigs/jobset at 08dfbdf), beside the project's folder as in CI.
-JOBSET_CRD = os.path.join(ROOT, "..", "shared", "k8s", "jobset.x-k8s.io_jobsets.yaml")
+# The CRDs of JobSet and Kubeflow Trainer (../shared/k8s/README.md), beside the project's folder as in CI.
+CRDS = os.path.join(ROOT, "..", "shared", "k8s")
+JOBSET_CRD = os.path.join(CRDS, "jobset.x-k8s.io_jobsets.yaml")
 # The oldest Kubernetes the docs name (podFailurePolicy is GA from 1.31) and the newest whose schemas
 # kubernetes-validate ships.
 KUBERNETES_VERSIONS = ("1.31", kubernetes_validate.latest_version())
@@ -79,29 +79,7 @@ def test_sbatch_script_gives_srun_the_entrypoint_and_its_own_arguments_last(tmp_
 
 # ---------------------------------------------------------------- Kubernetes: Indexed Job, Service, JobSet
 
-def documents(path):
-    """{kind: document} of a manifest file."""
-    with open(path) as f:
-        return {doc["kind"]: doc for doc in yaml.safe_load_all(f)}
-
-
-def job_specs():
-    """(name, the Job's spec, its pods' host name with {index}, their subdomain) of each manifest."""
-    indexed = documents(INDEXED_JOB)
-    job, service = indexed["Job"], indexed["Service"]
-    jobset = documents(JOBSET)["JobSet"]
-    replicated = jobset["spec"]["replicatedJobs"][0]
-    return [("indexed-job", job["spec"], job["metadata"]["name"] + "-{index}", service["metadata"]["name"]),
-            ("jobset", replicated["template"]["spec"], f"{jobset['metadata']['name']}-{replicated['name']}-0-{{index}}",
-             jobset["spec"]["network"]["subdomain"])]
-
-
 JOB_SPECS = job_specs()
-
-
-def trainer(spec):
-    container, = spec["template"]["spec"]["containers"]
-    return container
 
 
 def test_each_pod_has_a_stable_dns_name():
@@ -143,14 +121,19 @@ def closed(schema):
     return schema
 
 
+def crd_schema(path, version):
+    """A validator of the CRD at `path`'s schema for `version`, closed as an API server is."""
+    if not os.path.exists(path):
+        skip_unless_ci(f"the CRD is not at {os.path.normpath(path)}")
+    with open(path) as f:
+        crd = yaml.safe_load(f)
+    schema, = [v["schema"]["openAPIV3Schema"] for v in crd["spec"]["versions"] if v["name"] == version]
+    return jsonschema.Draft7Validator(closed(schema))
+
+
 @pytest.fixture(scope="module")
 def jobset_schema():
-    if not os.path.exists(JOBSET_CRD):
-        skip_unless_ci(f"JobSet's CRD is not at {os.path.normpath(JOBSET_CRD)}")
-    with open(JOBSET_CRD) as f:
-        crd = yaml.safe_load(f)
-    schema, = [v["schema"]["openAPIV3Schema"] for v in crd["spec"]["versions"] if v["name"] == "v1alpha2"]
-    return jsonschema.Draft7Validator(closed(schema))
+    return crd_schema(JOBSET_CRD, "v1alpha2")
 
 
 def test_the_jobset_validates_against_its_crd(jobset_schema):
@@ -193,7 +176,7 @@ def test_the_pod_failure_policy_carries_the_exit_status_contract(name, spec, hos
             assert codes["containerName"] == trainer(spec)["name"]
     # A disrupted pod (drained node, pre-emption) is seen first, whatever its status (143 after it saved).
     assert rules[0]["onPodConditions"] == [{"type": "DisruptionTarget", "status": "True"}]
-    assert rules[0]["action"] == {"indexed-job": "Ignore", "jobset": "FailJob"}[name]
+    assert rules[0]["action"] == {"indexed-job": "Ignore", "jobset": "FailJob", "trainjob": "FailJob"}[name]
     actions = [rule["action"] for rule in rules[1:]]
     assert actions == sorted(actions, key=["FailJob", "Count"].index)  # FailJob before Count
     for code in config.PERMANENT_EXIT_STATUSES:
@@ -221,8 +204,9 @@ def test_every_pod_finds_its_workers_and_runs_options_the_entrypoint_accepts(nam
     assert [p["containerPort"] for p in container["ports"]] == [int(env["MNIST_WORKER_PORT"])]
     expected = [f"{host.format(index=i)}.{subdomain}:{env['MNIST_WORKER_PORT']}" for i in range(workers)]
     for index in range(workers):
-        found = worker_sources.indexed_job({**env, "JOB_COMPLETION_INDEX": str(index)}, host.format(index=index))
-        assert found == (index, expected)
+        found = worker_sources.find({**env, "JOB_COMPLETION_INDEX": str(index)}, host.format(index=index))
+        assert type(found).__name__ == {"trainjob": "TrainJob"}.get(name, "IndexedJob")
+        assert (found.rank, found.count, found.addresses) == (index, workers, expected)
     cfg = parsed(container["command"] + container.get("args", []))
     assert cfg.strategy == "multiworker"
     mounts = [m["mountPath"] for m in container["volumeMounts"]]
@@ -240,9 +224,14 @@ JOB_FAILURES = {
 }
 
 
-def test_the_jobset_restarts_the_set_on_what_is_retryable_and_fails_on_what_is_not():
+JOBSET_SPECS = {"jobset": documents(JOBSET)["JobSet"]["spec"],
+                "trainjob": documents(TRAINJOB)["TrainingRuntime"]["spec"]["template"]["spec"]}
+
+
+@pytest.mark.parametrize("name", JOBSET_SPECS)
+def test_the_jobset_restarts_the_set_on_what_is_retryable_and_fails_on_what_is_not(name):
     """JobSet tries its failure rules in order, the first match deciding; RestartJobSet when none matches."""
-    policy = documents(JOBSET)["JobSet"]["spec"]["failurePolicy"]
+    policy = JOBSET_SPECS[name]["failurePolicy"]
     assert policy["restartStrategy"] == "BlockingRecreate" and policy["maxRestarts"] >= 1
 
     def action(reason, message):
@@ -254,3 +243,48 @@ def test_the_jobset_restarts_the_set_on_what_is_retryable_and_fails_on_what_is_n
 
     assert {what: action(*failure) for what, failure in JOB_FAILURES.items()} == {
         "disrupted": "RestartJobSetAndIgnoreMaxRestarts", "permanent": "FailJobSet", "retryable": "RestartJobSet"}
+
+
+# ---------------------------------------------------------------- Kubeflow Trainer: TrainJob and its runtime
+
+@pytest.mark.parametrize("kind", ["TrainingRuntime", "TrainJob"])
+def test_the_trainjob_and_its_runtime_validate_against_their_crds(kind):
+    plural = {"TrainingRuntime": "trainingruntimes", "TrainJob": "trainjobs"}[kind]
+    schema = crd_schema(os.path.join(CRDS, f"trainer.kubeflow.org_{plural}.yaml"), "v1alpha1")
+    doc = documents(TRAINJOB)[kind]
+    assert doc["apiVersion"] == "trainer.kubeflow.org/v1alpha1"
+    assert [e.message for e in schema.iter_errors(doc)] == []
+    # The check has teeth: a misspelt field is refused, and so is a runtime reference without its name.
+    misspelt = copy.deepcopy(doc)
+    misspelt["spec"]["numNode"] = 2
+    assert list(schema.iter_errors(misspelt))
+    if kind == "TrainJob":
+        unnamed = copy.deepcopy(doc)
+        del unnamed["spec"]["runtimeRef"]["name"]
+        assert list(schema.iter_errors(unnamed))
+
+
+def test_the_trainjob_runs_on_its_runtime_as_the_plainml_plugin_would():
+    """What the CRDs' schemas cannot say: the rules the API server checks in CEL, and what Trainer does."""
+    docs = documents(TRAINJOB)
+    runtime, job = docs["TrainingRuntime"], docs["TrainJob"]
+    # The TrainJob's CEL rules: its name is a DNS label of at most 63 characters.
+    assert re.fullmatch(r"[a-z]([-a-z0-9]*[a-z0-9])?", job["metadata"]["name"]) and len(job["metadata"]["name"]) <= 63
+    ref = job["spec"]["runtimeRef"]
+    assert (ref["kind"], ref["name"]) == ("TrainingRuntime", runtime["metadata"]["name"])
+    # No framework in the mlPolicy: Trainer's plainml plugin, which adds the TrainJob's env and nothing else.
+    assert set(runtime["spec"]["mlPolicy"]) == {"numNodes"}
+    jobset = runtime["spec"]["template"]["spec"]
+    replicated, = jobset["replicatedJobs"]
+    assert replicated["name"] == config.TRAINJOB_REPLICATED_JOB
+    assert replicated["template"]["metadata"]["labels"] == {"trainer.kubeflow.org/trainjob-ancestor-step": "trainer"}
+    # Host names <trainjob>-node-0-<i>.<trainjob>: one replicated job of one Job, and the JobSet's own subdomain.
+    assert replicated.get("replicas", 1) == 1 and "subdomain" not in jobset["network"]
+    assert jobset["network"]["enableDNSHostnames"]
+    # One worker count: the TrainJob's numNodes, which replaces the runtime's, is the count the pods are told.
+    workers = job["spec"]["trainer"]["numNodes"]
+    assert runtime["spec"]["mlPolicy"]["numNodes"] == workers
+    assert {var["name"]: var["value"] for var in job["spec"]["trainer"]["env"]} == {"MNIST_WORKERS": str(workers)}
+    env = {var["name"]: var for var in replicated["template"]["spec"]["template"]["spec"]["containers"][0]["env"]}
+    assert env["MNIST_TRAINJOB"]["valueFrom"]["fieldRef"]["fieldPath"] == (
+        f"metadata.labels['{config.TRAINJOB_NAME_LABEL}']")

@@ -1,12 +1,14 @@
-"""A Kubernetes Indexed Job's workers, as deploy/indexed-job.yaml describes them: no TF_CONFIG.
+"""The workers of a Kubernetes Indexed Job (deploy/indexed-job.yaml) and of a Kubeflow TrainJob on its runtime
+(deploy/trainjob.yaml): no TF_CONFIG.
 
 Each pod is a host of its own: a network namespace (tests/netns.py), and a mount and UTS namespace in which its
-host name is the one the Job controller gives it, `<job>-<index>`, and every pod's `<job>-<index>.<service>`
-resolves through a hosts file mounted over /etc/hosts, as the cluster's DNS would resolve it. Each pod gets
-JOB_COMPLETION_INDEX, as the Job controller sets it, and the manifest's own variables and command. A pod SIGKILLed
-mid-epoch ends the other with 138; both started again with the same indexes, as the Job replaces them, resume at
-the last backup and train to the end, every image once. Bad variables are refused in one line, exit 2, before
-TensorFlow starts.
+host name is the one its controller gives it (`<job>-<index>`; `<trainjob>-node-0-<index>` for the JobSet Trainer
+makes), and every pod's name under its headless Service resolves through a hosts file mounted over /etc/hosts, as
+the cluster's DNS would resolve it. Each pod gets JOB_COMPLETION_INDEX, as the Job controller sets it, and the
+manifest's own variables and command (for the TrainJob, as Trainer applies it to its runtime). A pod SIGKILLed
+mid-epoch ends the other with 138; both started again with the same indexes, as the Job or JobSet replaces them,
+resume at the last backup and train to the end, every image once. Bad variables are refused in one line, exit 2,
+before TensorFlow starts.
 """
 
 import json
@@ -17,16 +19,14 @@ import sys
 import time
 
 import pytest
-import yaml
 
 import config
 import netns
 import train_mnist_mirrored
 from conftest import (ROOT, Worker, apply_env, assert_one_port_warning, assert_refused_in_one_line, backed_up_images,
-                      finish, images_at, run_under_broken_tf_config, skip_unless_ci, started, subprocess_env,
-                      wait_for_backup_after)
+                      finish, images_at, job_specs, run_under_broken_tf_config, skip_unless_ci, started,
+                      subprocess_env, trainer, wait_for_backup_after)
 
-MANIFEST = os.path.join(ROOT, "deploy", "indexed-job.yaml")
 ENTRYPOINT = ["python", "train_mnist_mirrored.py"]
 BATCH = 8
 EPOCH_IMAGES = 1600  # the resume data's training images: on two replicas, 100 steps an epoch
@@ -40,46 +40,52 @@ POD = ('mount --bind "$1" /etc/hosts && hostname "$2" && net="$3" && shift 3 && 
        'exec nsenter --net="$net" -- "$@"')
 
 
-def manifest():
-    """(the Job's name, the Service's, the trainer's variables, its command's options) from the manifest."""
-    with open(MANIFEST) as f:
-        docs = {doc["kind"]: doc for doc in yaml.safe_load_all(f)}
-    container, = docs["Job"]["spec"]["template"]["spec"]["containers"]
-    assert container["command"][:2] == ENTRYPOINT
-    env = {var["name"]: var["value"] for var in container["env"]}
-    return docs["Job"]["metadata"]["name"], docs["Service"]["metadata"]["name"], env, container["command"][2:]
+class Manifest:
+    """A manifest's pods: their variables and command's options, each one's host name and the name the others
+    reach it by (`<host>.<subdomain>`)."""
+
+    def __init__(self, spec, host, subdomain):
+        container = trainer(spec)
+        assert container["command"][:2] == ENTRYPOINT
+        self.env = {var["name"]: var["value"] for var in container["env"]}
+        self.command = container["command"][2:]
+        self.workers = spec["completions"]
+        self.hosts = [host.format(index=i) for i in range(self.workers)]
+        self.names = [f"{h}.{subdomain}" for h in self.hosts]
+
+    def option(self, name):
+        return self.command[self.command.index(name) + 1]
 
 
-JOB, SERVICE, ENV, COMMAND = manifest()
-WORKERS = int(ENV["MNIST_WORKERS"])
-
-
-def option(name):
-    return COMMAND[COMMAND.index(name) + 1]
+MANIFESTS = {name: Manifest(spec, host, subdomain) for name, spec, host, subdomain in job_specs()
+             if name in ("indexed-job", "trainjob")}
+INDEXED = MANIFESTS["indexed-job"]
+JOB, ENV = INDEXED.hosts[0].rsplit("-", 1)[0], INDEXED.env
 
 
 class Pods:
-    """The Job's pods, one per index, on the hosts of `hosts`; `start` makes them, as the Job does."""
+    """The pods of `manifest`, one per index, on the hosts of `hosts`; `start` makes them, as the Job does."""
 
-    def __init__(self, hosts, folder, data_dir):
-        self.hosts, self.folder = hosts, folder
+    def __init__(self, manifest, hosts, folder, data_dir):
+        self.manifest, self.hosts, self.folder = manifest, hosts, folder
         self.output_dir = str(folder / "out")
         # The manifest's command, with this machine's data dir and output dir for its volume's.
-        self.args = [*COMMAND, *FLAGS, "--data-dir", data_dir, "--output-dir", self.output_dir]
+        self.args = [*manifest.command, *FLAGS, "--data-dir", data_dir, "--output-dir", self.output_dir]
         self.args.remove("--idx-dir")
-        self.args.remove(option("--idx-dir"))
+        self.args.remove(manifest.option("--idx-dir"))
 
     def start(self, attempt):
-        return [Worker(self.args, {**ENV, "JOB_COMPLETION_INDEX": str(index)}, self.folder, f"pod{index}-{attempt}",
+        return [Worker(self.args, {**self.manifest.env, "JOB_COMPLETION_INDEX": str(index)}, self.folder,
+                       f"pod{index}-{attempt}",
                        run_in=["unshare", "--mount", "--uts", "--", "sh", "-c", POD, "sh", self.hosts.hosts_file,
-                               f"{JOB}-{index}", f"/run/netns/{self.hosts.names[index]}"])
-                for index in range(WORKERS)]
+                               self.manifest.hosts[index], f"/run/netns/{self.hosts.names[index]}"])
+                for index in range(self.manifest.workers)]
 
 
 class Restart:
     def __init__(self, pods):
         backup_dir = os.path.join(pods.output_dir, "backup")
-        self.output_dir = pods.output_dir
+        self.manifest, self.output_dir = pods.manifest, pods.output_dir
         self.first = pods.start(1)
         try:
             # Mid-epoch: a backup inside epoch 1 is on disk.
@@ -93,22 +99,23 @@ class Restart:
                 pod.proc.kill()
         self.last_backup = backed_up_images(backup_dir)
         self.finished_early = os.path.exists(os.path.join(self.output_dir, "results.json"))
-        # The Job replaces both pods, with the same indexes: the one killed (137) and the one that exited 138.
+        # The Job (or JobSet) replaces both pods, with the same indexes: the one killed (137) and the one that
+        # exited 138.
         restarted = time.monotonic()
         self.again = pods.start(2)
         self.again_statuses = finish(self.again, RUN_SECONDS)
         self.again_seconds = round(time.monotonic() - restarted, 1)
 
 
-@pytest.fixture(scope="module")
-def restart(tmp_path_factory, resume_data_dir):
+@pytest.fixture(scope="module", params=list(MANIFESTS))
+def restart(request, tmp_path_factory, resume_data_dir):
     reason = netns.unavailable() or (None if shutil.which("hostname") else "hostname not installed")
     if reason:
         skip_unless_ci(reason)
-    folder = tmp_path_factory.mktemp("indexed_job")
-    hostnames = [ENV["MNIST_WORKER_HOST"].replace("{index}", str(i)) for i in range(WORKERS)]
-    with started(netns.Hosts, f"job{os.getpid()}", str(folder), hostnames) as hosts:
-        return Restart(Pods(hosts, folder, resume_data_dir))
+    manifest = MANIFESTS[request.param]
+    folder = tmp_path_factory.mktemp(request.param)
+    with started(netns.Hosts, f"{request.param[:3]}{os.getpid()}", str(folder), manifest.names) as hosts:
+        return Restart(Pods(manifest, hosts, folder, resume_data_dir))
 
 
 @pytest.mark.slow
@@ -131,11 +138,11 @@ def test_both_pods_replaced_with_their_indexes_resume_and_train_every_image_once
     for pod, status in zip(restart.again, restart.again_statuses):
         assert status == 0, pod.stderr[-3000:]
         # Each found the cluster from the Job's variables, listening on the manifest's port.
-        assert_one_port_warning(pod.stderr, port=int(ENV["MNIST_WORKER_PORT"]))
+        assert_one_port_warning(pod.stderr, port=int(restart.manifest.env["MNIST_WORKER_PORT"]))
         assert images_at(pod.stdout, "Resuming from the backup") == [restart.last_backup]
     with open(os.path.join(restart.output_dir, "results.json")) as f:
         results = json.load(f)
-    assert results["strategy"] == "multiworker" and results["replicas"] == WORKERS
+    assert results["strategy"] == "multiworker" and results["replicas"] == restart.manifest.workers
     assert results["resumed_after_images"] == restart.last_backup
     assert results["resumed_after_images"] + results["train_images"] == EPOCHS * EPOCH_IMAGES
 
@@ -144,14 +151,20 @@ def test_both_pods_replaced_with_their_indexes_resume_and_train_every_image_once
 
 @pytest.fixture
 def pod_env(monkeypatch):
-    """The manifest's variables for pod 1, in this process, with no TF_CONFIG and no Slurm."""
+    """A manifest's variables for pod 1 (the Indexed Job's unless told), in this process, with no TF_CONFIG and no
+    Slurm."""
     for name in list(os.environ):
-        if name == "TF_CONFIG" or name.startswith("SLURM_"):
+        if name == "TF_CONFIG" or name.startswith(("SLURM_", "MNIST_")):
             monkeypatch.delenv(name)
 
-    def enter(**changes):
-        apply_env(monkeypatch, {**ENV, "JOB_COMPLETION_INDEX": "1", **changes})
+    def enter(manifest=INDEXED, **changes):
+        apply_env(monkeypatch, {**manifest.env, "JOB_COMPLETION_INDEX": "1", **changes})
     return enter
+
+
+def refused_in_one_line(words, tmp_path, capsys):
+    rc = train_mnist_mirrored.main(["--strategy", "multiworker", "--output-dir", str(tmp_path / "out")])
+    return assert_refused_in_one_line(rc, capsys.readouterr().err, words, tmp_path / "out")
 
 
 @pytest.mark.parametrize("changes, words", [
@@ -168,9 +181,19 @@ def pod_env(monkeypatch):
         "host-not-a-dns-name", "wins-over-slurm"])
 def test_bad_pod_variables_are_refused_in_one_line(changes, words, pod_env, tmp_path, capsys):
     pod_env(**changes)
-    rc = train_mnist_mirrored.main(["--strategy", "multiworker", "--output-dir", str(tmp_path / "out")])
-    line = assert_refused_in_one_line(rc, capsys.readouterr().err, words, tmp_path / "out")
-    assert "SLURM" not in line
+    assert "SLURM" not in refused_in_one_line(words, tmp_path, capsys)
+
+
+@pytest.mark.parametrize("changes, words", [
+    ({"MNIST_WORKERS": None}, ["MNIST_WORKERS not set", "TrainJob's pod", "deploy/trainjob.yaml"]),
+    ({"JOB_COMPLETION_INDEX": "2"}, ["JOB_COMPLETION_INDEX=2", "MNIST_WORKERS=2", "numNodes"]),
+    ({"MNIST_TRAINJOB": "Mnist_Job"}, ["MNIST_TRAINJOB='Mnist_Job'", config.TRAINJOB_NAME_LABEL]),
+    # An Indexed Job's variable beside the TrainJob's: the TrainJob's are read (the host pattern is not).
+    ({"MNIST_WORKER_HOST": "x", "MNIST_WORKER_PORT": "0"}, ["MNIST_WORKER_PORT=0", "deploy/trainjob.yaml"]),
+], ids=["no-count", "index-too-big", "name-not-a-dns-label", "wins-over-the-indexed-job"])
+def test_bad_trainjob_variables_are_refused_in_one_line(changes, words, pod_env, tmp_path, capsys):
+    pod_env(MANIFESTS["trainjob"], **changes)
+    assert "MNIST_WORKER_HOST" not in refused_in_one_line(words, tmp_path, capsys)
 
 
 def test_tf_config_wins_over_the_pod_variables(pod_env, monkeypatch, tmp_path, capsys):
@@ -180,19 +203,26 @@ def test_tf_config_wins_over_the_pod_variables(pod_env, monkeypatch, tmp_path, c
 
 
 @pytest.mark.slow
-def test_a_host_pattern_naming_another_job_is_refused_in_the_pod(tmp_path):
-    """In a pod whose host name is the Job's `<job>-<index>`, a pattern naming another job (a Job renamed, its
-    variable not) would leave every worker waiting for pods that never come: it is refused at once."""
+@pytest.mark.parametrize("name, variable, old", [
+    ("indexed-job", "MNIST_WORKER_HOST", lambda env: env["MNIST_WORKER_HOST"].replace(JOB, "old-name")),
+    ("trainjob", "MNIST_TRAINJOB", lambda env: "old-name"),
+])
+def test_variables_naming_another_job_are_refused_in_the_pod(name, variable, old, tmp_path):
+    """In a pod whose host name is the one its controller gives it, variables naming another job (a Job renamed,
+    its variable not; a runtime whose replicated job is not `node`) would leave every worker waiting for pods that
+    never come: it is refused at once."""
     reason = netns.unavailable() or (None if shutil.which("hostname") else "hostname not installed")
     if reason:
         skip_unless_ci(reason)
-    env = {**subprocess_env(), **ENV, "JOB_COMPLETION_INDEX": "1",
-           "MNIST_WORKER_HOST": ENV["MNIST_WORKER_HOST"].replace(JOB, "old-name")}
+    manifest = MANIFESTS[name]
+    env = {**subprocess_env(), **manifest.env, "JOB_COMPLETION_INDEX": "1", variable: old(manifest.env)}
+    own = manifest.hosts[1]
     proc = subprocess.run(["unshare", "--uts", "--", "sh", "-c", 'hostname "$1" && shift && exec "$@"', "sh",
-                           f"{JOB}-1", sys.executable, *ENTRYPOINT[1:], "--strategy", "multiworker",
+                           own, sys.executable, *ENTRYPOINT[1:], "--strategy", "multiworker",
                            "--output-dir", str(tmp_path / "out")],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == config.EXIT_BAD_INPUT
-    assert len(lines) == 1 and lines[0].startswith("error: MNIST_WORKER_HOST="), lines
-    assert "names this pod old-name-1." in lines[0] and f"its host name is {JOB}-1" in lines[0], lines[0]
+    assert len(lines) == 1 and lines[0].startswith(f"error: {variable}="), lines
+    named = own.replace(JOB if name == "indexed-job" else own.split("-node-")[0], "old-name")
+    assert f"names this pod {named}." in lines[0] and f"its host name is {own};" in lines[0], lines[0]
