@@ -116,7 +116,9 @@ def finish(cfg, figures, *, is_chief, work_dir):
     other worker removes its own folder."""
     if is_chief:
         write_json(cfg.path(cfg.results_file), figures)
-        shutil.rmtree(cfg.path(cfg.backup_dir), ignore_errors=True)
+        import resume
+
+        resume.discard(cfg.path(cfg.backup_dir))
     else:
         shutil.rmtree(work_dir, ignore_errors=True)
 

@@ -14,7 +14,7 @@ files are complete, so the record and the weights it describes are committed tog
 moment leaves the previous pair. A file written after the checkpoint could describe the one before it.
 
 This is the one place the position is computed. The input stream starts at its image
-(data.train_dataset), `fit` at its step (callbacks.Backup sets Keras's counters), the learning-rate
+(data.train_indices), `fit` at its step (Backup, below, sets Keras's counters), the learning-rate
 schedule counts epochs from it (callbacks.ScaledDecay), and results.json reports it.
 """
 
@@ -23,13 +23,17 @@ import dataclasses
 import json
 import math
 import os
+import shutil
 import sys
 import typing
 
 import tensorflow as tf
 
 import data
-from config import UsageError
+import tf_private
+from config import Preempted, UsageError
+from model import keras
+from sigterm import Preemption
 
 # The checkpoint attribute that holds the record, and where Keras's BackupAndRestore keeps the chief's backup.
 RECORD = "resume_position"
@@ -351,7 +355,7 @@ class Plan:
 def start(backup_dir, settings, *, epochs, overwrite):
     """This run's Plan: from the newest intact checkpoint of the backup in `backup_dir` if there is one it can
     continue (UsageError if there is one it cannot), from the beginning with --overwrite or without a backup.
-    callbacks.Backup restores that same checkpoint once the model exists."""
+    Backup restores that same checkpoint once the model exists."""
     checkpoint, damaged = (None, []) if overwrite else newest_intact(backup_dir)
     if checkpoint is None:
         return Plan(settings)
@@ -362,3 +366,113 @@ def start(backup_dir, settings, *, epochs, overwrite):
         print(f"warning: the latest backup in {backup_dir} is damaged ({'; '.join(damaged)}); resuming from the "
               f"one before it at {plan.describe()}", file=sys.stderr)
     return plan
+
+
+# ---------------------------------------------------------------- pre-emption and the backup
+
+def _any_worker(strategy):
+    """A function telling whether any worker's flag is up: an all-reduce, so all workers stop at one step."""
+    if not isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy):
+        return lambda flag: flag
+
+    @tf.function
+    def combine(flag):
+        def on_replica():
+            # Made inside the replica function, so that it is placed on the replica's device. ReduceOp has no
+            # MAX; a sum above zero says the same.
+            return tf.distribute.get_replica_context().all_reduce(tf.distribute.ReduceOp.SUM, tf.cast(flag, tf.float32))
+
+        return strategy.experimental_local_results(strategy.run(on_replica))[0]
+
+    return lambda flag: bool(combine(tf.constant(int(flag))).numpy() > 0)
+
+
+class Backup(keras.callbacks.BackupAndRestore):
+    """Keras's BackupAndRestore, backing up at each epoch's end, every `every_steps` steps if given, and at the
+    next step boundary after SIGTERM, then raising `Preempted`; each backup also records its position in
+    images and what that means (resume.py), in the same checkpoint.
+
+    Keras records the step an execution of `steps_per_execution` steps starts at, and resumes one step after
+    it, which repeats the execution's other steps; this records the last step it finished instead. Keras keeps
+    one checkpoint and restores it whatever its state; this keeps two and restores the one resume.start found
+    whole (docs/faults.md, "A damaged backup").
+    """
+
+    def __init__(self, backup_dir, *, plan, every_steps=None, preemption=None):
+        # An int save_freq is what makes Keras resume at a step rather than at an epoch; when to save is decided here.
+        super().__init__(backup_dir, save_freq=every_steps or plan.steps, delete_checkpoint=False)
+        self._plan = plan
+        self._every_steps = every_steps
+        self._preemption = preemption or Preemption()
+        # Made here, outside the strategy's scope (fit calls on_train_begin inside it): one plain variable.
+        self._record = tf.Variable("", trainable=False, name=RECORD)
+
+    def on_train_begin(self, logs=None):
+        # Keras's own on_train_begin, but for two things: its training state keeps BACKUPS_KEPT checkpoints, not
+        # one, and it restores the one resume.start chose and read the position from (plan.checkpoint, the newest
+        # that reads back whole), where Keras would restore the newest whatever its state. Every worker restores
+        # from the chief's folder, as Keras's own does.
+        tf_private.build_optimizer(self.model)  # as Keras does, so that the restore fills its slots
+        state = tf_private.worker_training_state(self.model, self.backup_dir, self.save_freq)
+        tf_private.attach_training_state(self, state)
+        if state.write_checkpoint_manager is state.read_checkpoint_manager:  # the chief, which writes where all read
+            state.write_checkpoint_manager = state.read_checkpoint_manager = tf.train.CheckpointManager(
+                state.read_checkpoint_manager.checkpoint, state.read_checkpoint_manager.directory,
+                max_to_keep=BACKUPS_KEPT)
+        if self._plan.checkpoint:
+            # The model, the optimizer and Keras's counters.
+            state.read_checkpoint_manager.checkpoint.restore(self._plan.checkpoint)
+        # Written with every backup from now on, in the same checkpoint as the weights.
+        setattr(state.write_checkpoint_manager.checkpoint, RECORD, self._record)
+        # Keras's counters, in this run's steps: `fit` resumes epoch `plan.epoch` after the step before
+        # `plan.first_step`; -1 (no step done) keeps the initial_epoch `fit` was given, at step 0.
+        tf_private.set_saved_position(state, epoch=self._plan.epoch, batch=self._plan.first_step - 1)
+        self._preempted_anywhere = _any_worker(self.model.distribute_strategy)
+        self._preemption.start_training()
+
+    def on_epoch_begin(self, epoch, logs=None):
+        super().on_epoch_begin(epoch, logs)
+        self._last_step = (self._plan.first_step if epoch == self._plan.epoch else 0) - 1
+
+    def on_train_batch_begin(self, batch, logs=None):
+        pass
+
+    def on_train_batch_end(self, batch, logs=None):
+        # `batch` is the last step of the execution that just finished.
+        preempted = self._preempted_anywhere(self._preemption.requested)
+        before, self._last_step = self._last_step, batch
+        if batch >= self._plan.steps - 1:
+            return  # the epoch's end backs up, after its checkpoint, and acts on a pre-emption
+        # Due when the execution passed a multiple of every_steps: a resumed epoch's steps need not start at one.
+        due = self._every_steps and (batch + 1) // self._every_steps > (before + 1) // self._every_steps
+        if due or preempted:
+            position = self._save(tf_private.current_epoch(self), batch)
+            if preempted:
+                self._stop(position)
+
+    def on_epoch_end(self, epoch, logs=None):
+        position = self._save(epoch, self._plan.steps - 1)
+        if self._preempted_anywhere(self._preemption.requested):
+            self._stop(position)
+
+    def on_train_end(self, logs=None):
+        super().on_train_end(logs)
+        self._preemption.end_training()  # raises Preempted for a SIGTERM after the last epoch's backup
+
+    def _save(self, epoch, last_step):
+        position = self._plan.position(epoch, last_step, int(self.model.optimizer.iterations.numpy()))
+        self._record.assign(position.to_json())
+        tf_private.set_saved_position(tf_private.training_state(self), batch=last_step)
+        tf_private.back_up(self, epoch=epoch, batch=last_step)
+        return position
+
+    def _stop(self, position):
+        # Training stays marked as on, so that a second SIGTERM only notes itself while the run leaves.
+        raise Preempted(f"pre-empted (SIGTERM); training state saved at epoch {position.epoch + 1}, image "
+                        f"{position.image:,} of {self._plan.epoch_images:,}; run the same command again to resume "
+                        "there (on any number of replicas or workers)")
+
+
+def discard(backup_dir):
+    """Once the run's results are written, its backup has nothing left to resume."""
+    shutil.rmtree(backup_dir, ignore_errors=True)

@@ -27,7 +27,7 @@ TIDY_SECONDS = 2
 
 
 class Preemption:
-    """SIGTERM while training is noted (`requested`) and acted on at the next step boundary by callbacks.Backup,
+    """SIGTERM while training is noted (`requested`) and acted on at the next step boundary by resume.Backup,
     which sets `training`; at any other moment the run ends at once with 143, since the backup already holds all
     the training done and every output is written whole or not at all (docs/faults.md, "Safe outputs").
 

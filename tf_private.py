@@ -5,7 +5,7 @@ offers publicly. Nothing else in the project reaches into `keras.src`, `tensorfl
 Each use is listed in README.md's "Known issues" and has a canary in tests/test_tf_private.py, which fails
 naming the TensorFlow version and what changed when an upgrade moves it.
 
-- Keras's BackupAndRestore, driven from outside (callbacks.Backup): its training state (`WorkerTrainingState`,
+- Keras's BackupAndRestore, driven from outside (resume.Backup): its training state (`WorkerTrainingState`,
   with the counters `_ckpt_saved_epoch` and `_ckpt_saved_batch`), where the callback and the model keep it
   (`_training_state`), its `_backup` and `_current_epoch`, and the optimizer's `_built`.
 - TensorFlow's coordination service (worker_group): configured, asked whether it runs, and waited at.

@@ -7,7 +7,7 @@ again and again in a `tf.function`, as the gradients are all-reduced at every tr
 For each case it prints the bytes of the tensor, and per all-reduce the wall milliseconds and the CPU
 milliseconds of each worker (its whole process, TensorFlow's threads included), medians over rounds. Beside a
 training step's time (benchmarks/scaling.py), this says how much of what a second worker adds is the all-reduce
-itself (docs/performance.md, "On a faster core: the AMD EPYC VM, and a 16-bit all-reduce").
+itself (docs/performance.md, "Several workers").
 """
 
 import argparse
@@ -35,7 +35,7 @@ WORKER = textwrap.dedent("""
         @tf.function
         def all_reduce_many():
             def on_replica():
-                # Made in the replica function, so that it is on the replica's device (callbacks._any_worker).
+                # Made in the replica function, so that it is on the replica's device (resume._any_worker).
                 x = tf.ones([size], dtype)
                 context = tf.distribute.get_replica_context()
                 for _ in range(repeats):  # unrolled: each all-reduce its own op, as each step's is

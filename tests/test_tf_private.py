@@ -72,7 +72,7 @@ def test_backup_and_restore_callback_internals(tmp_path):
 
 
 def test_fit_resumes_at_the_position_set_in_the_training_state(tmp_path):
-    """What callbacks.Backup does at train begin: its own training state, with the counters of the last backup;
+    """What resume.Backup does at train begin: its own training state, with the counters of the last backup;
     `fit` must then resume there (epoch 2, after step 3)."""
     seen = []
 
