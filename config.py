@@ -145,7 +145,7 @@ class Config:
     allreduce_dtype: str = _option(
         "float32", "--strategy multiworker: the type the gradients are all-reduced in between workers; bfloat16 or "
                    "float16 halve the bytes sent, and each worker casts the sum back to float32 for Adam's update "
-                   "(docs/performance.md, \"On a faster core: the AMD EPYC VM, and a 16-bit all-reduce\")", SPEED, choices=ALLREDUCE_DTYPES)
+                   "(docs/performance.md, \"Several workers\")", SPEED, choices=ALLREDUCE_DTYPES)
 
     output_dir: str = _option(".", "where training_checkpoints/, logs/, saved_model/, model.keras and results.json are written", OUTPUT)
     overwrite: bool = _option(False, "start afresh, replacing a finished or unfinished run already in --output-dir", OUTPUT)

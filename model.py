@@ -41,7 +41,7 @@ def report_worker_means(model):
     total and a count each: four a step, one after another, for the loss and the accuracy), although only the
     progress bar and batch-level callbacks see those values: at each epoch's end, and at evaluation's, Keras
     reads the metrics again, all workers' together. Under two CPU workers the four all-reduces cost 3.8 ms of
-    a 26 ms step (docs/performance.md). Horovod's Keras examples show per-step metrics the same way, each
+    a 26 ms step (docs/history.md). Horovod's Keras examples show per-step metrics the same way, each
     worker its own, and average them at the epoch's end.
 
     On a worker with several replicas (GPUs) the step's figures are its first replica's, as "first" reduces them.

@@ -19,7 +19,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 # TensorFlow's CPU tensors from its own BFC allocator, which keeps freed memory for the next step, instead of
 # malloc. With malloc, a worker of a multi-worker run took about 6,000 fresh pages a step (zeroed by the kernel,
 # then unmapped), a quarter of its CPU time; one replica took almost none, and is as fast either way
-# (docs/performance.md, "Several workers"). Read when TensorFlow makes its first CPU device; a user's setting wins.
+# (docs/history.md, "Several workers"). Read when TensorFlow makes its first CPU device; a user's setting wins.
 os.environ.setdefault("TF_CPU_ALLOCATOR_USE_BFC", "true")
 
 import config

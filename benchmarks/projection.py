@@ -23,13 +23,13 @@ The efficiency is t_compute / t(N): N workers' images/s over N times one replica
 The fit. Two measured points (one replica, two workers) fix two free terms: t_compute = the 1-replica step, and
 t_fixed = the 2-worker step minus t_compute minus the all-reduce's two terms at N = 2. The all-reduce's α and B
 come from a separate measurement: two pinned one-thread workers all-reducing over loopback, 0.75 ms for a 4-byte
-tensor and 2.9 ms for the 1.39 MB gradients (docs/performance.md). The rest of the 2.9 ms is the bytes' time
+tensor and 2.9 ms for the 1.39 MB gradients (docs/history.md). The rest of the 2.9 ms is the bytes' time
 (B = 0.65 GB/s). Two measured points cannot tell how the 4-byte time splits into per-hop latency and a launch paid
 once, so both ends are projected: all of it 2 hops of latency (α = 0.375 ms, the line), or all of it launch, in
 t_fixed (α then the network's alone; the top of the band). On a network, the gRPC transport's CPU cost per byte and
 the link's overlap, so the slower of the two decides the bytes' time, and the network's hop latency adds to α.
 
-GPUs with NCCL use published figures instead (cited in docs/performance.md): the bus bandwidth and the per-hop
+GPUs with NCCL use published figures instead (cited in docs/history.md): the bus bandwidth and the per-hop
 latency of NCCL's ring across nodes; their compute time is an assumption (no GPU was lent), given as a range.
 """
 
@@ -51,7 +51,7 @@ WORKERS = (1, 2, 4, 8, 64, 512)  # the table's columns; the picture draws every 
 OUTPUT = os.path.join(ROOT, "docs", "scaling_projection.png")
 
 # TensorFlow's ring over gRPC between two pinned one-thread workers on loopback, nothing else running
-# (2026-12-03, the 2-core x86-64 VM of issue 20, docs/performance.md "Where a two-worker step goes").
+# (the 2-core x86-64 VM, docs/history.md "Where a two-worker step goes").
 GRPC_TINY_ALLREDUCE_S = 0.75e-3  # a 4-byte all-reduce: no bytes to speak of, so latency and launch only
 GRPC_GRADIENTS_ALLREDUCE_S = 2.9e-3  # the 1.39 MB gradients
 GRPC_HOP_LATENCY_S = GRPC_TINY_ALLREDUCE_S / 2  # 2(N-1) = 2 hops at N = 2
@@ -73,8 +73,8 @@ GPU_STEP_S = {"low": 0.5e-3, "central": 1e-3, "high": 2e-3}
 # What benchmarks/scaling.py measured (medians of train_images_per_s over 2 rounds, 2 epochs a run, tracing and
 # callbacks included): per-replica batch -> (1 replica, 2 workers) images/s.
 MEASURED = (
-    {"where": "2-core AMD EPYC VM", "when": "2026-12-04", "batches": {64: (10_012, 8_966)}},
-    {"where": "2-core x86-64 VM of issue 20", "when": "2026-12-03",
+    {"where": "2-core AMD EPYC VM (family 26)", "when": "scaling.py, 2 rounds", "batches": {64: (10_012, 8_966)}},
+    {"where": "2-core x86-64 VM", "when": "scaling.py, 2 rounds",
      "batches": {64: (3_682, 5_271), 256: (3_672, 6_182)}},
 )
 
@@ -262,7 +262,7 @@ def draw(rows, measured, path):
     labels = list(legend)
     fig.legend([legend[label] for label in labels], labels, loc="lower center", fontsize=8, frameon=False)
     fig.suptitle("The tutorial's model projected (CPU workers: TensorFlow's gRPC ring; dots: measured; "
-                 "bands: docs/performance.md)",
+                 "bands: docs/history.md)",
                  fontsize=9)
     fig.tight_layout(rect=(0, 0.045 * len(labels) + 0.02, 1, 1))
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)

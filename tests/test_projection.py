@@ -27,8 +27,8 @@ def _project(*args):
 
 
 def test_the_measured_figures_are_the_ones_docs_quote():
-    """1-replica and 2-worker step times from the benchmark's images/s, as issue 26 and docs/performance.md
-    give them: 6.4 and 14.3 ms on the EPYC VM, 17.4 and 24.3 on issue 20's, batch 64."""
+    """1-replica and 2-worker step times from the benchmark's images/s, as docs/history.md
+    give them: 6.4 and 14.3 ms on the EPYC VM, 17.4 and 24.3 on the 2-core x86-64 VM, batch 64."""
     steps = {(where.split()[1], batch): (round(one * 1e3, 1), round(two * 1e3, 1))
              for where, _, batch, one, two in MEASURED_STEPS}
     assert steps[("AMD", 64)] == (6.4, 14.3)
@@ -81,10 +81,10 @@ def test_efficiency_rises_with_batch():
     step = projection.fit(one, two)
     bigger = projection.dataclasses.replace(step, compute_s=4 * step.compute_s)
     assert all(bigger.efficiency(n) > step.efficiency(n) for n in projection.WORKERS[1:])
-    # In the projection of what was measured: batch 256 over batch 64 on issue 20's VM, every N past one, for
+    # In the projection of what was measured: batch 256 over batch 64 on the 2-core x86-64 VM, every N past one, for
     # either split of the all-reduce's latency.
     rows = {(batch, label): band for batch, label, kind, _, band in projection.scenarios(projection.MEASURED)
-            if kind == "cpu" and "issue 20" in label}
+            if kind == "cpu" and "x86-64" in label}
     compared = 0
     for (batch, label), band in rows.items():
         if batch == 64:
@@ -111,7 +111,7 @@ def test_cli_prints_the_table_and_writes_the_picture(tmp_path):
 
 
 def test_cli_reads_a_scaling_results_file(tmp_path):
-    """A results file as benchmarks/scaling.py writes it (its own summarize()), with issue 20's batch-64 rates."""
+    """A results file as benchmarks/scaling.py writes it (its own summarize()), with the 2-core x86-64 VM's batch-64 rates."""
     def run(images_per_s):
         return {"images_per_s": images_per_s, "images_per_cpu_s": images_per_s}
 

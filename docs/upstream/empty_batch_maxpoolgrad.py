@@ -4,7 +4,7 @@ Minimal reproducer, fit for an upstream report (tensorflow/tensorflow). Run: `py
 
 - Expected: the gradient of a max-pool over zero examples, shape (0, 4, 4, 1), as eager execution gives, and as
   the graph gives with `TF_ENABLE_ONEDNN_OPTS=0`.
-- Seen with tensorflow 2.21.0 (pip, CPU) on an AMD EPYC with AVX512_BF16 (2026-12-04), exit 134 (SIGABRT):
+- Seen with tensorflow 2.21.0 (pip, CPU) on an AMD EPYC with AVX512_BF16, exit 134 (SIGABRT):
   `F... tensor.cc:896] Check failed: dtype() == expected_dtype (1 vs. 3) int32 expected, got float`, in
   `tensorflow::MklMaxPoolingGradOp<>::Compute()`. Another x86-64 CPU ran it to the end.
 - Why it matters: under `tf.distribute`, a global batch of fewer examples than replicas leaves a replica with an
