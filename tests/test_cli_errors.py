@@ -1,4 +1,4 @@
-"""Spec items 8 (training part), 10, 11: the entrypoint's one-line refusals, run in-process (in a process of its
+"""The entrypoint's one-line refusals, run in-process (in a process of its
 own where the test must hide the GPUs)."""
 
 import json
@@ -33,7 +33,7 @@ def _one_error_line(capsys):
     return lines[0]
 
 
-# ---------------------------------------------------------------- 10. bad flags
+# ---------------------------------------------------------------- bad flags
 
 @pytest.fixture
 def quick_args(tmp_path):
@@ -172,9 +172,9 @@ def test_multiworker_needs_a_valid_tf_config(tf_config, words, quick_args, tmp_p
     assert not (tmp_path / "out").exists()
 
 
-# ---------------------------------------------------------------- 8. no prepared data, offline
+# ---------------------------------------------------------------- no prepared data, offline
 
-def test_missing_prepared_data_points_at_data_py_prepare(tmp_path, monkeypatch, capsys):
+def test_missing_prepared_data_points_at_prepare_mnist(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(data, "DOWNLOAD_HOST", CLOSED_PORT)
     monkeypatch.delenv("TF_CONFIG", raising=False)
     empty = tmp_path / "empty_tfds"
@@ -188,7 +188,7 @@ def test_missing_prepared_data_points_at_data_py_prepare(tmp_path, monkeypatch, 
     assert not (tmp_path / "out").exists()  # the data is read before any output is touched
 
 
-def test_nonexistent_data_dir_points_at_data_py_prepare(tmp_path, monkeypatch, capsys):
+def test_nonexistent_data_dir_points_at_prepare_mnist(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(data, "DOWNLOAD_HOST", CLOSED_PORT)
     monkeypatch.delenv("TF_CONFIG", raising=False)
     missing = tmp_path / "no_such_dir"
@@ -199,7 +199,7 @@ def test_nonexistent_data_dir_points_at_data_py_prepare(tmp_path, monkeypatch, c
     assert not missing.exists()
 
 
-# ---------------------------------------------------------------- 11. a finished run is not overwritten
+# ---------------------------------------------------------------- a finished run is not overwritten
 
 @pytest.mark.slow
 def test_rerun_into_finished_output_dir_refuses_without_overwrite(smoke_ok, data_dir, tmp_path, monkeypatch, capsys):

@@ -21,7 +21,7 @@ def as_set(images, labels):
                   for image, label in zip(images, labels))
 
 
-# ---------------------------------------------------------------- 7. round trip
+# ---------------------------------------------------------------- round trip
 
 def test_prepared_dir_reads_back_exactly_what_was_written(data_dir, mnist_arrays):
     datasets, info = tfds.load("mnist", data_dir=data_dir, with_info=True, as_supervised=True)
@@ -54,7 +54,7 @@ def test_prepare_refuses_an_already_prepared_dir(data_dir, idx_dir, capsys):
     assert tfds.builder("mnist", data_dir=data_dir).info.splits["train"].num_examples == NUM_TRAIN
 
 
-# ---------------------------------------------------------------- 8. prepare_mnist.py with no files
+# ---------------------------------------------------------------- prepare_mnist.py with no files
 
 @pytest.mark.slow
 def test_prepare_cli_without_idx_files_fails_cleanly(root, tmp_path):
@@ -71,7 +71,7 @@ def test_prepare_cli_without_idx_files_fails_cleanly(root, tmp_path):
     assert not target.exists()
 
 
-# ---------------------------------------------------------------- 9. bad IDX input
+# ---------------------------------------------------------------- bad IDX input
 
 def _copy_good(idx_dir, tmp_path):
     bad = tmp_path / "idx"

@@ -1,5 +1,5 @@
 """What a newcomer meets on a first run: a clean `git status` after a run in the repository's root, `--help`'s
-defaults, the printed learning rate, and the offline prepare's own lines (issue 24, item 5)."""
+defaults, the printed learning rate, and the offline prepare's own lines."""
 
 import dataclasses
 import os

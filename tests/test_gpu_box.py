@@ -1,5 +1,5 @@
-"""A machine with NVIDIA GPUs that TensorFlow cannot use: the run stops with one line unless it asked for the CPU
-(issue 24, item 4). A stand-in `nvidia-smi` on PATH lists two GPUs; this machine's TensorFlow sees none."""
+"""A machine with NVIDIA GPUs that TensorFlow cannot use: the run stops with one line unless it asked for the CPU.
+A stand-in `nvidia-smi` on PATH lists two GPUs; this machine's TensorFlow sees none."""
 
 import os
 

@@ -1,4 +1,4 @@
-"""Spec items 2, 5, 6: one real run of the entrypoint (conftest's smoke_run) and what it leaves behind."""
+"""One real run of the entrypoint (conftest's smoke_run) and what it leaves behind."""
 
 import glob
 import json
@@ -18,7 +18,7 @@ from conftest import (ROOT, SMOKE_BATCH, SMOKE_CPU_REPLICAS, SMOKE_EPOCHS, SMOKE
                       subprocess_env)
 
 
-# ---------------------------------------------------------------- 5. the run itself
+# ---------------------------------------------------------------- the run itself
 
 def test_smoke_run_exits_zero(smoke_run):
     assert smoke_run.returncode == 0, smoke_run.stderr[-4000:]
@@ -180,7 +180,7 @@ def test_validation_writes_a_validation_run_beside_train(smoke_ok, mnist_arrays)
     assert re.search(r" - val_loss: \d+\.\d+ - val_accuracy: \d\.\d+", smoke_ok.stdout), smoke_ok.stdout[-2000:]
 
 
-# ---------------------------------------------------------------- 2. global batch
+# ---------------------------------------------------------------- global batch
 
 def test_global_batch_is_per_replica_times_replicas(smoke_ok):
     results = smoke_ok.results
@@ -188,7 +188,7 @@ def test_global_batch_is_per_replica_times_replicas(smoke_ok):
     assert results["train_images"] == SMOKE_STEPS * SMOKE_BATCH * results["replicas"] * SMOKE_EPOCHS
 
 
-# ---------------------------------------------------------------- 6. checkpoint vs SavedModel
+# ---------------------------------------------------------------- checkpoint vs SavedModel
 
 @pytest.fixture(scope="module")
 def test_images(mnist_arrays):

@@ -1,4 +1,4 @@
-"""Spec items 1, 3, 4: the learning-rate schedule, the pixel scaling and the model's shape."""
+"""The learning-rate schedule, the pixel scaling and the model's shape."""
 
 import numpy as np
 import pytest
@@ -10,7 +10,7 @@ import model
 from config import Config
 
 
-# ---------------------------------------------------------------- 1. schedule
+# ---------------------------------------------------------------- schedule
 
 @pytest.mark.parametrize("epoch, expected", [
     (0, 1e-3), (2, 1e-3),   # epochs 0-2
@@ -22,7 +22,7 @@ def test_decay_matches_tutorial_schedule(epoch, expected):
     assert callbacks.decay(epoch, cfg.lr_boundaries, cfg.lr_values) == pytest.approx(expected, rel=1e-12)
 
 
-# ---------------------------------------------------------------- 3. scale
+# ---------------------------------------------------------------- scale
 
 def test_scale_maps_uint8_to_unit_float32():
     pixels = tf.constant(np.arange(256, dtype=np.uint8).reshape(16, 16, 1))
@@ -37,7 +37,7 @@ def test_scale_maps_uint8_to_unit_float32():
     assert int(out_label) == 7  # the label passes through untouched
 
 
-# ---------------------------------------------------------------- 4. model
+# ---------------------------------------------------------------- model
 
 def test_model_layer_shapes_and_parameter_count():
     net = model.build_model()
