@@ -31,7 +31,7 @@ from model import keras
 
 def build_model():
     return keras.Sequential([
-        keras.Input(shape=model.INPUT_SHAPE),
+        keras.Input(shape=model.IMAGE_SHAPE),
         keras.layers.Conv2D(32, 3, activation="relu"),
         keras.layers.MaxPooling2D(),
         keras.layers.Conv2D(64, 3, activation="relu"),
