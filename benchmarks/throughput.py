@@ -39,7 +39,7 @@ import tensorflow as tf  # noqa: E402
 import callbacks  # noqa: E402
 import data  # noqa: E402
 import outputs  # noqa: E402
-from config import EXIT_BAD_INPUT, EXIT_OK, Config, UsageError  # noqa: E402
+from config import EXIT_BAD_INPUT, EXIT_OK, IMAGE_SHAPE, Config, UsageError  # noqa: E402
 from model import build_model, compile_model, keras  # noqa: E402
 
 RESULT_MARK = "BENCH "
@@ -137,7 +137,7 @@ def resident_batches(arrays, global_batch, steps=None):
     full = int(arrays[0].shape[0]) // global_batch
     full = min(full, steps) if steps else full
     images, labels = data.scale(*arrays)
-    return (tf.reshape(images[:full * global_batch], (full, global_batch, 28, 28, 1)),
+    return (tf.reshape(images[:full * global_batch], (full, global_batch, *IMAGE_SHAPE)),
             tf.reshape(labels[:full * global_batch], (full, global_batch)))
 
 
@@ -154,7 +154,7 @@ def ceiling_loop(strategy, model, images, labels):
 def built_model(strategy, cfg, **compile_args):
     with strategy.scope():
         model = compile_model(build_model(), fused_adam=cfg.fused_adam, **compile_args)
-        model.build((None, 28, 28, 1))
+        model.build((None, *IMAGE_SHAPE))
     return model
 
 
