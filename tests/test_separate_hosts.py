@@ -11,7 +11,7 @@ import pytest
 
 import config
 import netns
-from conftest import Worker, backed_up_images, images_at, skip_unless_ci, started, wait_for_backup_after
+from conftest import EXIT_SECONDS, Worker, backed_up_images, images_at, skip_unless_ci, started, wait_for_backup_after
 
 # Each test here starts whole training runs.
 pytestmark = pytest.mark.slow
@@ -52,7 +52,7 @@ def wait_for_ends(workers, timeout, since):
     finally:
         for w in workers:
             w.proc.kill()
-            w.proc.wait()
+            w.proc.wait(timeout=EXIT_SECONDS)
     return ends
 
 
@@ -72,7 +72,7 @@ class Partition:
         finally:
             for w in self.first:
                 w.proc.kill()
-                w.proc.wait()
+                w.proc.wait(timeout=EXIT_SECONDS)
         self.last_backup = backed_up_images(backup_dir)
         self.finished_early = os.path.exists(os.path.join(self.output_dir, "results.json"))
 

@@ -206,3 +206,26 @@ def test_device_datasets_pass_through_the_wrap(monkeypatch):
     assert next(iterator).numpy().tolist() == [0, 1, 2, 3]
     assert wrapped, changed("the multi-device iterator no longer builds its device-side datasets through "
                             "`_create_device_dataset`")
+
+
+# ---------------------------------------------------------------- step hooks set on the model instance
+
+def test_fit_calls_the_step_hooks_set_on_the_instance():
+    """`data.gather_in_train_step` and `model.report_worker_means` replace `train_step` and `compute_metrics` on
+    the instance, not in a subclass, so that the export stays a plain Sequential: Keras must look them up there."""
+    model = tiny_model()
+    calls = []
+    train_step, compute_metrics = model.train_step, model.compute_metrics
+
+    def step(batch):
+        calls.append("train_step")
+        return train_step(batch)
+
+    def metrics(x, y, y_pred, sample_weight):
+        calls.append("compute_metrics")
+        return compute_metrics(x, y, y_pred, sample_weight)
+
+    model.train_step, model.compute_metrics = step, metrics
+    model.fit(np.zeros((4, 2)), np.zeros((4, 1)), batch_size=4, epochs=1, verbose=0)
+    assert calls == ["train_step", "compute_metrics"], changed(
+        f"`fit` traced {calls} instead of the instance's `train_step` and `compute_metrics`")
