@@ -8,6 +8,7 @@ import json
 import os
 import pathlib
 import re
+import signal
 import socket
 import struct
 import subprocess
@@ -90,6 +91,16 @@ def make_split(n, rng):
 
 
 # ---------------------------------------------------------------- fixtures
+
+@pytest.fixture(autouse=True)
+def signal_mask_restored():
+    """A test that calls `main()` in this process leaves SIGTERM blocked, as a finished run does (sigterm.watched);
+    every process a later test starts would inherit that mask, and a daemon would then ignore the SIGTERM that
+    stops it (Slurm's daemons waited out their 20 s stop deadline each)."""
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, [])
+    yield
+    signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+
 
 @pytest.fixture(scope="session")
 def root():
