@@ -8,6 +8,7 @@ import sys
 
 import pytest
 
+import config
 from conftest import ROOT, subprocess_env
 
 
@@ -19,11 +20,12 @@ def _bench(*args):
 @pytest.mark.slow
 def test_benchmark_writes_sane_figures(tmp_path, idx_dir):
     out = tmp_path / "bench.json"
-    proc = _bench("--idx-dir", idx_dir, "--quick", "--epochs", "2", "--variants", "project,keras_adam",
-                  "--output", str(out))
+    # The project alone beside the baselines: every round is a fresh process, and each variant is the same run
+    # with other options (test_every_variant_is_the_run_with_valid_options).
+    proc = _bench("--idx-dir", idx_dir, "--quick", "--epochs", "2", "--output", str(out))
     assert proc.returncode == 0, proc.stderr[-3000:]
     figures = json.loads(out.read_text())
-    names = {"tutorial", "project", "keras_adam", "ceiling"}
+    names = {"tutorial", "project", "ceiling"}
     assert figures["rounds"] == 2 and figures["epochs_per_round"] == 2  # --quick's rounds, --epochs given after it
     for rates_key, prefix in (("images_per_s", ""), ("images_per_cpu_s", "cpu_")):
         assert set(figures[rates_key]) == names
@@ -47,6 +49,18 @@ def test_benchmark_writes_sane_figures(tmp_path, idx_dir):
     assert all(rate > 0 for rate in figures["median_steady_images_per_s"].values())
     assert all(seconds > 0 for seconds in figures["fixed_seconds"]["project"])
     assert f"project's epochs after the first: {figures['steady_ratio_to_ceiling']['project']:.3f}" in proc.stdout
+
+
+def test_every_variant_is_the_run_with_valid_options():
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import throughput
+
+    parser = config.build_parser("train_mnist_mirrored.py", "")
+    defaults = config.validate(config.from_args(parser.parse_args([])))
+    assert throughput.VARIANTS["project"] == []
+    for name, options in throughput.VARIANTS.items():
+        cfg = config.validate(config.from_args(parser.parse_args(options)))
+        assert name == "project" or cfg != defaults, f"{name}'s options {options} change nothing"
 
 
 def test_a_round_splits_into_later_epochs_and_a_fixed_cost():
