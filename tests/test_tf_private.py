@@ -227,5 +227,6 @@ def test_fit_calls_the_step_hooks_set_on_the_instance():
 
     model.train_step, model.compute_metrics = step, metrics
     model.fit(np.zeros((4, 2)), np.zeros((4, 1)), batch_size=4, epochs=1, verbose=0)
-    assert calls == ["train_step", "compute_metrics"], changed(
+    # Traced once or more (autograph may trace twice), each step calling both.
+    assert calls[:2] == ["train_step", "compute_metrics"] and set(calls) == {"train_step", "compute_metrics"}, changed(
         f"`fit` traced {calls} instead of the instance's `train_step` and `compute_metrics`")
