@@ -29,6 +29,7 @@ NODE_CPUS = 8
 START_SECONDS = 60  # daemons up and the nodes idle; about 2 s here
 STOP_SECONDS = 20
 CRED_EXPIRE_SECONDS = 10
+SCHEDULER_SECONDS = 1
 FINAL_STATES = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "PREEMPTED",
                 "BOOT_FAIL", "DEADLINE"}
 # srun's own lines for tasks that ended badly, one line for the tasks that ended alike at once ("tasks 0-1",
@@ -60,6 +61,9 @@ ReturnToService=2
 SlurmdParameters=config_overrides
 # Seconds between a cancelled job's SIGTERM and its SIGKILL (default 30), so a hung test ends sooner.
 KillWait=5
+# A requeued job becomes eligible once its old credential expires, which no event marks: the scheduler's loops
+# start it at their next pass (60 s and 30 s by default), so that a test would wait anything up to a minute.
+SchedulerParameters=sched_interval={scheduler_seconds},bf_interval={scheduler_seconds}
 {nodes}
 PartitionName=test Nodes=ALL Default=YES MaxTime=INFINITE State=UP
 """
@@ -123,7 +127,7 @@ class SlurmCluster:
         with open(self.conf, "w") as f:
             f.write(SLURM_CONF.format(controller=self.nodes[0].address, controller_port=self.controller_port,
                                       munge_socket=self.munge_socket, folder=self.folder, nodes=nodes,
-                                      cred_expire=CRED_EXPIRE_SECONDS))
+                                      cred_expire=CRED_EXPIRE_SECONDS, scheduler_seconds=SCHEDULER_SECONDS))
         self._daemon("slurmctld", self.nodes[0].run_in + ["slurmctld", "-D", "-f", self.conf])
         for node in self.nodes:
             self._daemon(f"slurmd-{node.name}", node.run_in + ["slurmd", "-D", "-f", self.conf, "-N", node.name])
