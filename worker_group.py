@@ -65,8 +65,9 @@ def others(resolver):
             for index, address in enumerate(spec.job_tasks(job)) if (job, index) != (resolver.task_type, resolver.task_id)}
 
 
-def knock(address, greeting):
-    """Tells the worker listening at `address` who is here; False if nothing listens there (yet)."""
+def knock(address, greeting=b""):
+    """Tells the worker listening at `address` who is here (without a greeting, only asks whether a process listens
+    there and accepts a connection within a knock's time); False if nothing listens there (yet)."""
     try:
         with socket.create_connection(host_port(address), timeout=KNOCK_TIMEOUT_SECONDS) as door:
             door.sendall(greeting)
@@ -208,15 +209,6 @@ def lost_peer(cfg, err):
     return lost_workers(_formed, err.message)
 
 
-def answers(address):
-    """Whether a process listens at `address` and accepts a connection within a knock's time."""
-    try:
-        with socket.create_connection(host_port(address), timeout=KNOCK_TIMEOUT_SECONDS):
-            return True
-    except OSError:
-        return False
-
-
 def lost_workers(resolver, message):
     """Which workers of the cluster `resolver` describes this one lost, as words: those whose port no longer
     answers (a process gone, a host cut off); else, since a stopped process keeps its port open, the one whose
@@ -226,7 +218,7 @@ def lost_workers(resolver, message):
     if resolver is None:
         return f"lost a worker of this multi-worker run, but cannot tell which ({reason})"
     peers = others(resolver)
-    gone = [name for name, address in peers.items() if not answers(address)]
+    gone = [name for name, address in peers.items() if not knock(address)]
     if tf_private.leader_heartbeat_failed(message):
         named = ["{} {}".format(*tf_private.coordination_leader(resolver.cluster_spec()))]
     else:

@@ -80,7 +80,7 @@ def test_sigterm_while_waiting_for_the_cluster_exits_143_at_once(tmp_path, data_
     try:
         def listening():  # then it is waiting for worker 1
             assert worker.proc.poll() is None, worker.stderr[-3000:]
-            return worker_group.answers(f"127.0.0.1:{ports[0]}")
+            return worker_group.knock(f"127.0.0.1:{ports[0]}")
         wait_until(listening, "listening worker", START_SECONDS)
         sent = time.monotonic()
         worker.proc.send_signal(signal.SIGTERM)
