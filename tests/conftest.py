@@ -388,10 +388,6 @@ def final_weights(output_dir, epochs):
     return {n: ckpt.get_tensor(n) for n in names}
 
 
-def pytest_configure(config):
-    config.addinivalue_line("markers", "slow: a test of more than about 10 s (real training processes)")
-
-
 # ---------------------------------------------------------------- deploy/'s Kubernetes manifests
 
 INDEXED_JOB = os.path.join(ROOT, "deploy", "indexed-job.yaml")

@@ -11,6 +11,8 @@ import pytest
 import config
 from conftest import ROOT, subprocess_env
 
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))  # throughput.py's functions, imported where a test uses them
+
 
 def _bench(*args):
     return subprocess.run([sys.executable, "benchmarks/throughput.py", *args], cwd=ROOT, env=subprocess_env(),
@@ -52,7 +54,6 @@ def test_benchmark_writes_sane_figures(tmp_path, idx_dir):
 
 
 def test_every_variant_is_the_run_with_valid_options():
-    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
     import throughput
 
     parser = config.build_parser("train_mnist_mirrored.py", "")
@@ -64,7 +65,6 @@ def test_every_variant_is_the_run_with_valid_options():
 
 
 def test_a_round_splits_into_later_epochs_and_a_fixed_cost():
-    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
     import throughput
 
     # 4 epochs of 100 images: the first took 1.5 s, the others 0.5, 0.6 and 0.5 s; fit's wall time 3.3 s.
