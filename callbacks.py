@@ -9,7 +9,7 @@ import time
 import numpy as np
 import tensorflow as tf
 
-import resume
+from machinery import resume
 from model import keras
 
 # The global batch the tutorial's learning rates were chosen for: one replica of 64.

@@ -165,7 +165,7 @@ class Config:
     keras_model_file: str = "model.keras"  # Keras 3's own format, beside the SavedModel
     backup_dir: str = "backup"
     results_file: str = "results.json"
-    lock_file: str = "run.lock"  # held by the run writing here (run_lock.py)
+    lock_file: str = "run.lock"  # held by the run writing here (machinery/run_lock.py)
 
     def path(self, name):
         return os.path.join(self.output_dir, name)

@@ -19,7 +19,7 @@ import tensorflow as tf
 import tensorflow_datasets as tfds
 
 import prepare_mnist
-import tf_private
+from machinery import tf_private
 from config import UsageError
 
 DOWNLOAD_HOST = ("storage.googleapis.com", 443)  # where tfds downloads MNIST from

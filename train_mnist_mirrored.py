@@ -23,13 +23,13 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 os.environ.setdefault("TF_CPU_ALLOCATOR_USE_BFC", "true")
 
 import config
-import gpu_box
-import outputs
-import run_lock
-import sigterm
-import terminal
-import worker_group
-import worker_sources
+from machinery import gpu_box
+from machinery import outputs
+from machinery import run_lock
+from machinery import sigterm
+from machinery import terminal
+from machinery import worker_group
+from machinery import worker_sources
 from config import (EXIT_BAD_INPUT, EXIT_INTERRUPTED, EXIT_OK, EXIT_PEER_LOST, EXIT_PREEMPTED, ClusterNotFormed,
                     Preempted, UsageError)
 
@@ -144,7 +144,7 @@ def run(cfg, preemption):
     import callbacks
     import data
     import export
-    import resume
+    from machinery import resume
     from model import build_model, compile_model, keras, use_mixed_precision
 
     keras.utils.set_random_seed(cfg.seed)

@@ -8,7 +8,7 @@
 #   bash benchmarks/gpu_check.sh --data-dir DIR     # a prepared tfds data dir
 #   bash benchmarks/gpu_check.sh --dry-run --data-dir DIR   # print what would run, run nothing (no GPU needed)
 #
-# Before anything else it makes the entrypoint's GPU check (gpu_box.py): GPUs that TensorFlow cannot use stop it.
+# Before anything else it makes the entrypoint's GPU check (machinery/gpu_box.py): GPUs that TensorFlow cannot use stop it.
 # Options: --epochs N (3), --output-dir DIR (a new temporary folder; kept, with each run's log),
 # --run-timeout SECONDS (100 a run, so that four runs and the prepare stay under 8 minutes).
 # A run that fails or times out is a row of the table saying so; the check goes on with the next.
@@ -54,7 +54,7 @@ fi
 # The entrypoint's own check: GPUs that TensorFlow cannot use (its CUDA 12 libraries missing) stop the check here,
 # with the entrypoint's one line, instead of four failed rows.
 if [ "$DRY_RUN" = 0 ]; then
-  python gpu_box.py > /dev/null || exit 2
+  python -m machinery.gpu_box > /dev/null || exit 2
 fi
 
 # Two logical GPUs carved from the first physical one, set before the entrypoint starts TensorFlow's runtime.

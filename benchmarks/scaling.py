@@ -37,7 +37,7 @@ import tempfile
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-import outputs  # noqa: E402  (outputs and config import nothing heavy)
+from machinery import outputs  # noqa: E402  (outputs and config import nothing heavy)
 from config import EXIT_BAD_INPUT, EXIT_OK, UsageError  # noqa: E402
 
 ENTRYPOINT = os.path.join(ROOT, "train_mnist_mirrored.py")

@@ -38,7 +38,7 @@ import tensorflow as tf  # noqa: E402
 
 import callbacks  # noqa: E402
 import data  # noqa: E402
-import outputs  # noqa: E402
+from machinery import outputs  # noqa: E402
 from config import EXIT_BAD_INPUT, EXIT_OK, IMAGE_SHAPE, Config, UsageError  # noqa: E402
 from model import build_model, compile_model, keras  # noqa: E402
 

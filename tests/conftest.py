@@ -144,7 +144,7 @@ def gpus_probed():
     """TensorFlow's first probe for GPUs in this process. Without a CUDA driver it logs a failed cuInit, which the
     entrypoint holds back only beside the notice TensorFlow prints at import; in pytest's process that came at
     collection, so the line would land in the stderr of whichever in-process test first starts TensorFlow."""
-    import terminal
+    from machinery import terminal
 
     terminal.start_tensorflow(verbose=False)
 
@@ -255,7 +255,7 @@ def run_entrypoint(args, directory, env=None, timeout=600):
 def backed_up_images(backup_dir):
     """The training images the backup in `backup_dir` has trained (0 without one), or None while its checkpoint
     is being replaced."""
-    import resume
+    from machinery import resume
 
     try:
         position = resume.read(backup_dir)

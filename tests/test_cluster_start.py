@@ -18,9 +18,9 @@ import time
 import pytest
 
 import config
-import sigterm
-import worker_group
-import worker_sources
+from machinery import sigterm
+from machinery import worker_group
+from machinery import worker_sources
 from conftest import EXIT_SECONDS, ROOT, Worker, finish, free_ports, subprocess_env, wait_until
 
 TIMEOUT = 5  # --cluster-timeout of these tests, seconds
@@ -130,7 +130,8 @@ def test_progress_figures_mid_epoch_are_those_of_one_replica(two_workers):
 # started before SIGTERM was blocked could take the signal instead.
 WATCHED = """
 import os, signal, sys, time
-import config, sigterm
+import config
+from machinery import sigterm
 
 def until(condition):  # a handshake with SIGTERM's thread, within a few seconds
     deadline = time.monotonic() + 10

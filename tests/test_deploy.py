@@ -18,7 +18,7 @@ import pytest
 import yaml
 
 import config
-import worker_sources
+from machinery import worker_sources
 from conftest import INDEXED_JOB, JOBSET, ROOT, TRAINJOB, documents, job_specs, skip_unless_ci, trainer
 
 SBATCH = os.path.join(ROOT, "deploy", "slurm.sbatch")

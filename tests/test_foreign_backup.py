@@ -21,7 +21,7 @@ FLAGS = ["--epochs", "2", "--batch-size-per-replica", "8", "--steps-per-executio
 ADAPTED = """
 import sys
 
-import terminal
+from machinery import terminal
 import train_mnist_mirrored  # sets TensorFlow's environment, as a run does
 
 terminal.start_tensorflow(verbose=False)  # its start-up notices held back, as in a run

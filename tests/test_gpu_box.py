@@ -6,7 +6,7 @@ import os
 import pytest
 import tensorflow as tf
 
-import gpu_box
+from machinery import gpu_box
 from config import EXIT_BAD_INPUT, Config, UsageError
 from conftest import run_entrypoint, smoke_args
 

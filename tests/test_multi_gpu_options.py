@@ -11,7 +11,7 @@ import tensorflow as tf
 
 import callbacks
 import model
-import resume
+from machinery import resume
 from config import Config
 from conftest import SMOKE_CPU_REPLICAS, run_entrypoint, smoke_args
 from model import keras

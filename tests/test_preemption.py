@@ -11,7 +11,7 @@ import time
 import numpy as np
 import pytest
 
-import resume
+from machinery import resume
 from config import EXIT_PREEMPTED
 from conftest import EXIT_SECONDS, Worker, final_weights, finish, run_entrypoint, wait_until
 

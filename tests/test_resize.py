@@ -15,7 +15,7 @@ import pytest
 
 import callbacks
 import data
-import resume
+from machinery import resume
 import train_mnist_mirrored
 from config import Config, EXIT_BAD_INPUT, EXIT_OK, EXIT_PREEMPTED, UsageError
 from conftest import EXIT_SECONDS, WAIT_SECONDS, Worker, finish, free_ports

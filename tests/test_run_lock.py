@@ -15,9 +15,9 @@ import time
 import pytest
 
 import config
-import run_lock
+from machinery import run_lock
 import train_mnist_mirrored
-import worker_sources
+from machinery import worker_sources
 from conftest import Worker, backed_up_images, finish, images_at, run_entrypoint, smoke_args
 
 HANDSHAKE_SECONDS = 120  # a guard against a hang: TensorFlow is not loaded before the lock is taken

@@ -9,8 +9,8 @@ import sys
 import pytest
 
 import config
-import worker_group
-import terminal
+from machinery import worker_group
+from machinery import terminal
 import train_mnist_mirrored
 from conftest import (Worker, apply_env, assert_one_port_warning, assert_refused_in_one_line, finish, free_ports,
                       run_under_broken_tf_config, smoke_args)

@@ -131,7 +131,7 @@ def test_python_writes_on_a_full_disk_are_named_too(tmp_path):
     """results.json and model.keras are written by Python, whose OSError names no file: the line names
     --output-dir, where the run writes them."""
     import config
-    import outputs
+    from machinery import outputs
 
     mount = _mount(tmp_path / "tiny", "64k")
     try:

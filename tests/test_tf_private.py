@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-import tf_private
+from machinery import tf_private
 from conftest import ROOT, free_ports, subprocess_env
 from model import keras
 
@@ -118,7 +118,7 @@ def test_coordination_service_parts():
 FORM = """
 import json, os, socket, sys
 import tensorflow as tf
-import tf_private
+from machinery import tf_private
 ports, held = json.loads(sys.argv[1]), sys.argv[2] == "held"
 if held:  # another process holds this worker's port
     holder = socket.socket()

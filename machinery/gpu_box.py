@@ -6,7 +6,7 @@ GPU will not be used." (libcudart missing, not the driver), which terminal.py ho
 So before the strategy is made, a run that did not ask for the CPU stops on such a machine (docs/multi-gpu.md,
 "A GPU box").
 
-    python gpu_box.py     # exit 2 with the same one line where the run would stop; for benchmarks/gpu_check.sh
+    python -m machinery.gpu_box   # exit 2 with the same one line where the run would stop; for benchmarks/gpu_check.sh
 """
 
 import os
@@ -89,7 +89,7 @@ def main():
     """The check alone, for benchmarks/gpu_check.sh: exit 0 where TensorFlow can use the GPUs (or there are
     none), 2 with the run's own line where it cannot."""
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # as the entrypoint: TensorFlow's notices held back
-    import terminal
+    from machinery import terminal
     from config import Config
 
     tf = terminal.start_tensorflow(verbose=False)

@@ -30,10 +30,10 @@ import typing
 import tensorflow as tf
 
 import data
-import tf_private
+from machinery import tf_private
 from config import Preempted, UsageError
 from model import keras
-from sigterm import Preemption
+from machinery.sigterm import Preemption
 
 # The checkpoint attribute that holds the record, and where Keras's BackupAndRestore keeps the chief's backup.
 RECORD = "resume_position"

@@ -16,8 +16,8 @@ import sys
 import time
 
 import config
-import sigterm
-import tf_private
+from machinery import sigterm
+from machinery import tf_private
 from config import EXIT_OK, EXIT_PREEMPTED, ClusterNotFormed
 
 # The jobs of TF_CONFIG whose tasks train together (TensorFlow's coordination service registers these two).
@@ -147,7 +147,7 @@ def wait_for_others(resolver, timeout):
 
 def form(resolver, make_strategy, tf, *, timeout, verbose):
     """`make_strategy()` (a MultiWorkerMirroredStrategy for `resolver`), once every worker is there."""
-    import terminal
+    from machinery import terminal
 
     wait_for_others(resolver, timeout)
     global _formed

@@ -116,7 +116,7 @@ def finish(cfg, figures, *, is_chief, work_dir):
     other worker removes its own folder."""
     if is_chief:
         write_json(cfg.path(cfg.results_file), figures)
-        import resume
+        from machinery import resume
 
         resume.discard(cfg.path(cfg.backup_dir))
     else:
