@@ -4,16 +4,18 @@ MNIST comes only from tfds's prepared `mnist`, found and checked by tfds's build
 once into memory (`resident_split`). Without internet, `--idx-dir` (or `python prepare_mnist.py`) prepares it from
 the four IDX files first.
 
-Training keeps the split resident on every replica's device (`on_replicas`) and sends only each batch's example
-indices through tf.data: the step itself gathers and scales its batch (`gather_in_train_step`), as fast
-small-image trainers do, so no batch of images crosses a thread or a device boundary.
+Training keeps the split resident on every replica's device and sends only each batch's example indices through
+tf.data: the step itself gathers and scales its batch, as fast small-image trainers do, so no batch of images
+crosses a thread or a device boundary. `training_input` is the one call that wires both sides.
 """
 
+import dataclasses
 import functools
 import math
 import os
 import socket
 import threading
+import typing
 
 import tensorflow as tf
 import tensorflow_datasets as tfds
@@ -27,6 +29,27 @@ ONLINE_PROBE_SECONDS = 3
 READ_BATCH = 1024  # records parsed per vectorised tf.io.parse_example call
 WHOLE = (0, 1)  # an input pipeline's share of each global batch: the first of one, all of it
 PADDING = -1  # the index of a padding example in a batch of indices: image 0, at weight 0 (`padded`)
+
+
+@dataclasses.dataclass(frozen=True)
+class Stream:
+    """Which training batches a run reads, as example indices. Each epoch trains the first `epoch_images` of its
+    own seeded order of the split's `num_examples` indices (`epoch_order`; all of them when None), in batches of
+    `global_batch`; the stream starts at image `first_image` of epoch `first_epoch` and ends with epoch
+    `epochs` - 1. A run takes its stream from its resume plan (resume.Plan.stream)."""
+
+    num_examples: int
+    global_batch: int
+    buffer_size: int
+    seed: int
+    epochs: int
+    first_epoch: int = 0
+    first_image: int = 0
+    epoch_images: typing.Optional[int] = None
+
+    @property
+    def images_an_epoch(self):
+        return self.num_examples if self.epoch_images is None else self.epoch_images
 
 
 # ---------------------------------------------------------------- loading, as the tutorial does
@@ -222,40 +245,36 @@ def epoch_order(num_examples, *, buffer_size, seed, epoch):
     return tf.data.Dataset.range(num_examples).shuffle(buffer_size, seed=seed + epoch, reshuffle_each_iteration=False)
 
 
-def index_batches(num_examples, *, buffer_size, seed, global_batch, first_epoch, first_image, epoch_images, epochs):
-    """The batches of training indices from image `first_image` of epoch `first_epoch` to the end of epoch
-    `epochs` - 1 (resume.Plan gives the position).
+def index_batches(stream):
+    """The `stream`'s batches of training indices.
 
-    Each epoch is the first `epoch_images` of its order (all of it, unless --steps-per-epoch cuts it),
-    batched from its own first image, or from `first_image` for the epoch a resumed run finishes; an
-    epoch's last batch holds what is left of it, so it may be short, and no batch spans two epochs.
+    Each epoch is batched from its own first image, or from `first_image` for the epoch a resumed run finishes;
+    an epoch's last batch holds what is left of it, so it may be short, and no batch spans two epochs.
 
     Each epoch's order is drawn whole, one epoch ahead, and its batches are slices of it: drawing it example by
     example beside the training step, through tf.data's per-example machinery, cost several per cent of a step
     on a fast core (docs/performance.md).
     """
     def one_order(epoch):
-        first = first_image if epoch == first_epoch else 0
-        order = epoch_order(num_examples, buffer_size=buffer_size, seed=seed, epoch=epoch)
-        return order.take(epoch_images).batch(epoch_images).map(lambda whole: (whole, tf.constant(first, tf.int64)))
+        first = stream.first_image if epoch == stream.first_epoch else 0
+        order = epoch_order(stream.num_examples, buffer_size=stream.buffer_size, seed=stream.seed, epoch=epoch)
+        whole = order.take(stream.images_an_epoch).batch(stream.images_an_epoch)
+        return whole.map(lambda indices: (indices, tf.constant(first, tf.int64)))
 
     def batches(order, first):
-        starts = tf.data.Dataset.range(first, tf.shape(order, out_type=tf.int64)[0], global_batch)
-        return starts.map(lambda start: order[start:start + global_batch])
+        starts = tf.data.Dataset.range(first, tf.shape(order, out_type=tf.int64)[0], stream.global_batch)
+        return starts.map(lambda start: order[start:start + stream.global_batch])
 
     # One dataset per epoch, chained in Python: each shuffle's seed is then a number, not a tensor, which
     # TensorFlow's seeding cannot compare with 0 when the global seed is 0 (`--seed 0` failed to trace).
-    orders = functools.reduce(tf.data.Dataset.concatenate, map(one_order, range(first_epoch + 1, epochs)),
-                              one_order(first_epoch))
+    orders = functools.reduce(tf.data.Dataset.concatenate, map(one_order, range(stream.first_epoch + 1, stream.epochs)),
+                              one_order(stream.first_epoch))
     return orders.prefetch(1).flat_map(batches)
 
 
-def train_indices(num_examples, *, buffer_size, global_batch, seed, first_epoch, first_image, epoch_images, epochs,
-                  replicas=1, share=WHOLE):
-    """What the run's training stream carries: the batches of example indices from image `first_image` of epoch
-    `first_epoch` on (`index_batches`); with `share` (index, count), only that input pipeline's part of each
-    (`pipeline_share`). Across several `replicas` (all workers' together) a batch smaller than their count is
-    `padded`.
+def train_indices(stream, *, pad_to=None, share=WHOLE):
+    """What `fit` reads: the `stream`'s batches of example indices (`index_batches`), each `padded` up to `pad_to`
+    indices when given; with `share` (index, count), only that input pipeline's part of each (`pipeline_share`).
 
     The tutorial's `map(scale).cache().shuffle(buffer).batch(batch)` shuffles examples through a buffer of
     `buffer_size`; here the same seeded shuffle runs over example indices, which gives the same order (tf.data's
@@ -263,28 +282,19 @@ def train_indices(num_examples, *, buffer_size, global_batch, seed, first_epoch,
     number, so a run resumed at any image, at any global batch, trains exactly the images an uninterrupted run
     trains from there on.
     """
-    indices = index_batches(num_examples, buffer_size=buffer_size, seed=seed, global_batch=global_batch,
-                            first_epoch=first_epoch, first_image=first_image, epoch_images=epoch_images,
-                            epochs=epochs)
-    if replicas > 1:
-        indices = indices.map(lambda batch: padded(batch, replicas))
+    indices = index_batches(stream)
+    if pad_to is not None:
+        indices = indices.map(lambda batch: padded(batch, pad_to))
     if share != WHOLE:
         indices = indices.map(lambda batch: pipeline_share(batch, *share))
     # Repeated so that the stream never ends under `fit`, which stops after its epochs by itself.
     return for_distribution(indices.repeat())
 
 
-def train_dataset(images, labels, *, replicas=1, **stream):
-    """`train_indices`'s batches with their examples gathered from the split (`examples`): what each training
-    step sees, as a dataset of its own, for the tests that check the stream against tfds and Keras."""
-    indices = train_indices(int(images.shape[0]), replicas=replicas, **stream)
-    return indices.map(lambda batch: examples(images, labels, batch, weighted=replicas > 1))
-
-
-def on_replicas(strategy, images, labels):
+def resident_copies(strategy, images, labels):
     """The split resident beside the model, never checkpointed (the model does not track it): under
-    MirroredStrategy a mirrored copy on every replica's device, as the weights are (one per GPU, 47 MB of uint8
-    for MNIST's training split); under MultiWorkerMirroredStrategy one copy on each worker's first device, from
+    MirroredStrategy one copy on every replica's device, mirrored as the weights are (one per GPU, 47 MB of uint8
+    for MNIST's training split); under MultiWorkerMirroredStrategy one copy per worker, on its first device, from
     that worker's own read, since a mirrored variable is broadcast from the chief and TensorFlow's collectives
     broadcast no uint8."""
     def resident():
@@ -298,16 +308,38 @@ def on_replicas(strategy, images, labels):
         return resident()
 
 
-def gather_in_train_step(model, resident, *, weighted):
+def gather_in_train_step(model, resident, *, padded):
     """Makes `model`'s train step take a batch of `train_indices` and gather and scale its examples from the
-    `resident` split itself (`examples`), on the replica's own copy. Set on the instance, as the model's other
-    step hooks are, so the exported model stays the tutorial's plain Sequential; evaluation still reads images."""
+    `resident` split itself (`examples`, weighted where the batches are `padded`), on the replica's own copy. Set
+    on the instance, as the model's other step hooks are, so the exported model stays the tutorial's plain
+    Sequential; evaluation still reads images."""
     train_step = model.train_step
 
     def step_on_indices(batch):
-        return train_step(examples(*resident, batch, weighted=weighted))
+        return train_step(examples(*resident, batch, weighted=padded))
 
     model.train_step = step_on_indices
+
+
+def training_input(strategy, model, split, stream):
+    """The run's one seam between the data and the model: returns what `fit` reads, the `stream`'s batches of
+    example indices across the strategy's replicas, and makes `model`'s train step gather and scale each batch's
+    examples from the training `split` (images, labels), kept resident on the replicas' devices.
+
+    Where several replicas share a global batch (all workers' together), a batch smaller than their count is
+    padded and every example carries its weight; decided here, once, for both sides."""
+    replicas = strategy.num_replicas_in_sync
+    pad_to = replicas if replicas > 1 else None
+    gather_in_train_step(model, resident_copies(strategy, *split), padded=pad_to is not None)
+    return distribute(strategy, functools.partial(train_indices, stream, pad_to=pad_to))
+
+
+def step_batches(images, labels, stream, *, pad_to=None, share=WHOLE):
+    """The batches each training step sees, gathered from the split on tf.data's side (`train_indices`, then
+    `examples`): the same batches as the run's in-step gather, as a dataset of their own, for the tests that check
+    the stream against tfds and Keras and for the benchmark of the input path."""
+    indices = train_indices(stream, pad_to=pad_to, share=share)
+    return indices.map(lambda batch: examples(images, labels, batch, weighted=pad_to is not None))
 
 
 def eval_dataset(images, labels, *, global_batch):

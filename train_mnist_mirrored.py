@@ -7,7 +7,6 @@ exported and reloaded without and with the strategy's scope, both evaluated, and
 Figures go to results.json; a short summary for people follows them.
 """
 
-import functools
 import json
 import os
 import sys
@@ -164,10 +163,6 @@ def run(cfg, preemption):
                                                                      global_batch=global_batch),
                         epochs=cfg.epochs, overwrite=cfg.overwrite)
     work_dir = outputs.clear_and_make_work_dir(cfg, is_chief)
-    train = data.distribute(strategy, functools.partial(
-        data.train_indices, num_train, buffer_size=cfg.buffer_size, global_batch=global_batch, seed=cfg.seed,
-        first_epoch=plan.epoch, first_image=plan.image, epoch_images=plan.epoch_images, epochs=cfg.epochs,
-        replicas=strategy.num_replicas_in_sync))
     test = data.eval_dataset(*test_split, global_batch=global_batch)
 
     # Step 3: the model, compiled inside the strategy's scope.
@@ -181,9 +176,9 @@ def run(cfg, preemption):
                               worker_step_metrics=cfg.worker_step_metrics, allreduce_dtype=cfg.allreduce_dtype)
     # A backup this model or optimizer cannot continue is refused before training writes anything.
     resume.refuse_another_model(cfg, plan, model)
-    # The training split on every replica's device; each step gathers and scales its own batch there.
-    data.gather_in_train_step(model, data.on_replicas(strategy, *train_split),
-                              weighted=strategy.num_replicas_in_sync > 1)
+    # Step 2's training half, wired into the model: `fit` reads batches of indices from the first image the
+    # backup had not trained, and each step gathers its images from the split resident on its device.
+    train = data.training_input(strategy, model, train_split, plan.stream(cfg.epochs))
 
     # Step 4: training, from the first image the backup had not trained.
     if plan.resumed_after_images:

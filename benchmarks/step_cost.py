@@ -12,10 +12,10 @@ same round. The variants, each with a model of its own:
 - ceiling: the train step looping inside one tf.function over batches already in memory (throughput.py's);
 - keras_memory: Keras's own train function (the default run's steps a call) over the same batches, read through
   tf.data and `data.distribute` as the run reads a single replica's input: what Keras's loop costs;
-- keras_host: Keras's train function over batches gathered and scaled on tf.data's thread (`data.train_dataset`),
+- keras_host: Keras's train function over batches gathered and scaled on tf.data's thread (`data.step_batches`),
   the input path before the split was resident on the device;
 - keras_project: the run's own path: only indices through tf.data, each step gathering and scaling its batch
-  from the resident split (`data.train_indices`, `data.gather_in_train_step`), under MirroredStrategy;
+  from the resident split (`data.training_input`), under MirroredStrategy;
 - keras_project_default: the same under no strategy (TensorFlow's default), which shows what MirroredStrategy's
   handling of one replica costs;
 - keras_project_multiworker: the same under MultiWorkerMirroredStrategy with one worker and no peers.
@@ -40,14 +40,11 @@ DEFAULT_ROUNDS = 30
 BASELINE = "ceiling"
 
 
-def keras_steps(strategy, cfg, make_dataset, calls, steps_per_execution, resident=None):
-    """`calls` calls of a fresh model's Keras train function, `steps_per_execution` steps each, over
-    `make_dataset(share=...)` read as `fit` reads it; with `resident` (images, labels), the dataset carries
-    indices and each step gathers its batch from them, as the run does."""
+def keras_steps(strategy, cfg, feed, calls, steps_per_execution):
+    """`calls` calls of a fresh model's Keras train function, `steps_per_execution` steps each, over what
+    `feed(strategy, model)` gives, read as `fit` reads it."""
     model = built_model(strategy, cfg, steps_per_execution=steps_per_execution)
-    if resident is not None:
-        data.gather_in_train_step(model, data.on_replicas(strategy, *resident), weighted=False)
-    iterator = iter(data.distribute(strategy, make_dataset))
+    iterator = iter(feed(strategy, model))
     train_function = model.make_train_function()
 
     def run():
@@ -67,17 +64,18 @@ def variants(info, cfg, strategies, steps):
     calls = available // per_call
     steps = calls * per_call
     images, labels = images[:steps], labels[:steps]
-    stream = dict(buffer_size=cfg.buffer_size, global_batch=global_batch, seed=cfg.seed, first_epoch=0,
-                  first_image=0, epoch_images=info.splits["train"].num_examples, epochs=1)
+    stream = data.Stream(num_examples=info.splits["train"].num_examples, global_batch=global_batch,
+                         buffer_size=cfg.buffer_size, seed=cfg.seed, epochs=1)
 
-    def memory(share):
-        return data.for_distribution(tf.data.Dataset.from_tensor_slices((images, labels)).repeat())
+    def memory(strategy, model):
+        return data.distribute(strategy, lambda share: data.for_distribution(
+            tf.data.Dataset.from_tensor_slices((images, labels)).repeat()))
 
-    def host(share):
-        return data.train_dataset(*arrays, share=share, **stream)
+    def host(strategy, model):
+        return data.distribute(strategy, lambda share: data.step_batches(*arrays, stream, share=share))
 
-    def indices(share):
-        return data.train_indices(int(arrays[0].shape[0]), share=share, **stream)
+    def project(strategy, model):
+        return data.training_input(strategy, model, arrays, stream)
 
     mirrored = strategies["mirrored"]
     runs = {
@@ -87,7 +85,7 @@ def variants(info, cfg, strategies, steps):
     }
     for name, strategy in strategies.items():
         suffix = "" if name == "mirrored" else f"_{name}"
-        runs[f"keras_project{suffix}"] = keras_steps(strategy, cfg, indices, calls, per_call, resident=arrays)
+        runs[f"keras_project{suffix}"] = keras_steps(strategy, cfg, project, calls, per_call)
     return runs, steps
 
 

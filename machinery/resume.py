@@ -14,7 +14,7 @@ files are complete, so the record and the weights it describes are committed tog
 moment leaves the previous pair. A file written after the checkpoint could describe the one before it.
 
 This is the one place the position is computed. The input stream starts at its image
-(data.train_indices), `fit` at its step (Backup, below, sets Keras's counters), the learning-rate
+(Plan.stream), `fit` at its step (Backup, below, sets Keras's counters), the learning-rate
 schedule counts epochs from it (callbacks.ScaledDecay), and results.json reports it.
 """
 
@@ -326,6 +326,13 @@ class Plan:
     def resumed_after_images(self):
         """The training images the backup had trained: 0 for a fresh run."""
         return self.epoch * self.epoch_images + self.image
+
+    def stream(self, epochs):
+        """The training batches this run reads, to the end of epoch `epochs`: from its first untrained image on."""
+        s = self.settings
+        return data.Stream(num_examples=s.num_examples, global_batch=s.global_batch, buffer_size=s.buffer_size,
+                           seed=s.seed, epochs=epochs, first_epoch=self.epoch, first_image=self.image,
+                           epoch_images=self.epoch_images)
 
     def train_images(self, epochs):
         """The images this run trains, to the end of epoch `epochs`."""

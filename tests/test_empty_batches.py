@@ -44,9 +44,10 @@ def _epochs_seen(num_examples, *, global_batch, replicas, shares, first_image=0,
     images = tf.constant(np.arange(num_examples, dtype=np.uint8).reshape(-1, 1, 1, 1))
     labels = tf.range(num_examples, dtype=tf.int64)
     steps = data.steps_per_epoch(num_examples - first_image, global_batch)
-    streams = [iter(data.train_dataset(images, labels, buffer_size=8, global_batch=global_batch, seed=3,
-                                       first_epoch=0, first_image=first_image, epoch_images=num_examples,
-                                       epochs=epochs, replicas=replicas, share=(index, shares)))
+    stream = data.Stream(num_examples=num_examples, global_batch=global_batch, buffer_size=8, seed=3, epochs=epochs,
+                         first_image=first_image)
+    streams = [iter(data.step_batches(images, labels, stream, pad_to=replicas if replicas > 1 else None,
+                                      share=(index, shares)))
                for index in range(shares)]
     seen = []
     for epoch in range(epochs):
@@ -112,8 +113,8 @@ UPDATE_SCRIPT = textwrap.dedent("""
         initial = build_model().get_weights()
     out = {"initial": [w.tolist() for w in initial]}
     for replicas in (2, 1):  # 1: not padded, so the last batch of one example leaves the second replica empty
-        stream = data.train_dataset(images, labels, buffer_size=8, global_batch=8, seed=3, first_epoch=0,
-                                    first_image=0, epoch_images=17, epochs=2, replicas=replicas)
+        stream = data.step_batches(images, labels, data.Stream(num_examples=17, global_batch=8, buffer_size=8, seed=3,
+                                                               epochs=2), pad_to=replicas if replicas > 1 else None)
         with strategy.scope():
             model = build_model()
             model.set_weights(initial)

@@ -50,9 +50,9 @@ def _tutorial_epoch(datasets, epoch, steps):
 def test_gathered_batches_equal_the_per_example_shuffle(loaded, first_epoch, first_step):
     datasets, _, arrays = loaded
     epochs, steps = 4, data.steps_per_epoch(NUM_TRAIN, BATCH)
-    stream = data.train_dataset(*arrays["train"], buffer_size=BUFFER, global_batch=BATCH, seed=SEED,
-                                first_epoch=first_epoch, first_image=first_step * BATCH, epoch_images=NUM_TRAIN,
-                                epochs=epochs)
+    stream = data.step_batches(*arrays["train"], data.Stream(
+        num_examples=NUM_TRAIN, global_batch=BATCH, buffer_size=BUFFER, seed=SEED, epochs=epochs,
+        first_epoch=first_epoch, first_image=first_step * BATCH))
     got = list(tfds.as_numpy(stream.take((epochs - first_epoch) * steps - first_step)))
     # A resumed stream is the uninterrupted one from its resume step on.
     expected = [batch for epoch in range(first_epoch, epochs) for batch in _tutorial_epoch(datasets, epoch, steps)]
@@ -73,8 +73,8 @@ def test_seed_zero_gives_the_per_example_shuffle_of_seed_zero(loaded):
     steps = data.steps_per_epoch(NUM_TRAIN, BATCH)
     tf.random.set_seed(0)
     try:
-        got = list(tfds.as_numpy(data.index_batches(NUM_TRAIN, buffer_size=BUFFER, seed=0, global_batch=BATCH,
-                                                    first_epoch=0, first_image=0, epoch_images=NUM_TRAIN, epochs=2)))
+        got = list(tfds.as_numpy(data.index_batches(data.Stream(num_examples=NUM_TRAIN, global_batch=BATCH,
+                                                                buffer_size=BUFFER, seed=0, epochs=2))))
         expected = [batch for epoch in range(2) for batch in tfds.as_numpy(
             tf.data.Dataset.range(NUM_TRAIN).shuffle(BUFFER, seed=epoch, reshuffle_each_iteration=False).batch(BATCH))]
     finally:
@@ -89,8 +89,8 @@ def test_one_replica_gets_the_same_batches_without_the_multi_device_iterator(loa
     steps = data.steps_per_epoch(NUM_TRAIN, BATCH)
 
     def stream(share=data.WHOLE):
-        return data.train_dataset(*arrays["train"], buffer_size=BUFFER, global_batch=BATCH, seed=SEED,
-                                  first_epoch=0, first_image=0, epoch_images=NUM_TRAIN, epochs=2, share=share)
+        return data.step_batches(*arrays["train"], data.Stream(num_examples=NUM_TRAIN, global_batch=BATCH,
+                                                               buffer_size=BUFFER, seed=SEED, epochs=2), share=share)
 
     strategy = tf.distribute.MirroredStrategy(["/cpu:0"])
     distributed = data.distribute(strategy, stream)
@@ -165,7 +165,7 @@ IN_STEP_SCRIPT = textwrap.dedent("""
     rng = np.random.default_rng(0)
     images = tf.constant(rng.integers(0, 256, (17, 28, 28, 1), dtype=np.uint8))
     labels = tf.constant(rng.integers(0, 10, 17), tf.int64)
-    stream = dict(buffer_size=8, global_batch=8, seed=3, first_epoch=0, first_image=0, epoch_images=17, epochs=2)
+    stream = data.Stream(num_examples=17, global_batch=8, buffer_size=8, seed=3, epochs=2)
     out = {}
     for devices in (["/cpu:0"], ["/cpu:0", "/cpu:1"]):
         strategy = tf.distribute.MirroredStrategy(devices)
@@ -180,12 +180,11 @@ IN_STEP_SCRIPT = textwrap.dedent("""
                 model.compile(optimizer=keras.optimizers.SGD(0.5),
                               loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
             if path == "batches":
-                train = data.train_dataset(images, labels, replicas=replicas, **stream)
+                train = data.step_batches(images, labels, stream, pad_to=replicas if replicas > 1 else None)
             else:
-                train = data.train_indices(17, replicas=replicas, **stream)
-                resident = data.on_replicas(strategy, images, labels)
-                data.gather_in_train_step(model, resident, weighted=replicas > 1)
+                train = data.training_input(strategy, model, (images, labels), stream)
                 # One copy of the split on each replica's device, as the weights have.
+                resident = data.resident_copies(strategy, images, labels)
                 out[f"devices_{replicas}"] = sorted(copy.device for copy in strategy.experimental_local_results(resident[0]))
             model.fit(train, epochs=2, steps_per_epoch=3, verbose=0)
             out[f"{path}_{replicas}"] = [w.tolist() for w in model.get_weights()]

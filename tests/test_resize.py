@@ -103,9 +103,9 @@ def _assert_each_image_once(segments):
         for epoch in range(first_epoch, last_epoch + (1 if last_image else 0)):
             start = first_image if epoch == first_epoch else 0
             stop = last_image if epoch == last_epoch else NUM_TRAIN
-            batches = list(data.index_batches(
-                NUM_TRAIN, buffer_size=BUFFER, seed=SEED, global_batch=batch, first_epoch=epoch, first_image=start,
-                epoch_images=NUM_TRAIN, epochs=epoch + 1).as_numpy_iterator())
+            batches = list(data.index_batches(data.Stream(
+                num_examples=NUM_TRAIN, global_batch=batch, buffer_size=BUFFER, seed=SEED, epochs=epoch + 1,
+                first_epoch=epoch, first_image=start)).as_numpy_iterator())
             sizes = [len(b) for b in batches]
             assert all(size == batch for size in sizes[:-1]) and 0 < sizes[-1] <= batch  # only the last is short
             # The process stopped after a whole batch: its backup falls on a batch boundary of its own.
@@ -158,9 +158,7 @@ def test_a_resized_plan_finishes_the_epoch_in_images():
 
 def test_the_resumed_stream_is_the_rest_of_the_epochs_order_then_whole_epochs():
     plan = resume.Plan.resuming(resume.Position(1, 200, 150, _settings(8)), _settings(64))
-    batches = list(data.index_batches(1000, buffer_size=BUFFER, seed=SEED, global_batch=64, first_epoch=plan.epoch,
-                                      first_image=plan.image, epoch_images=plan.epoch_images, epochs=3)
-                   .as_numpy_iterator())
+    batches = list(data.index_batches(plan.stream(3)).as_numpy_iterator())
     rest, after = batches[:plan.steps - plan.first_step], batches[plan.steps - plan.first_step:]
     assert [len(b) for b in rest] == [64] * 12 + [32] and [len(b) for b in after] == [64] * 15 + [40]
     order = [list(data.epoch_order(1000, buffer_size=BUFFER, seed=SEED, epoch=e).as_numpy_iterator()) for e in (1, 2)]

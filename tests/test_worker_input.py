@@ -36,9 +36,9 @@ WORKER_SCRIPT = textwrap.dedent("""
         images = tf.constant(rng.integers(0, 256, (num_examples, 28, 28, 1), dtype=np.uint8))
         labels = tf.constant(rng.integers(0, 10, num_examples), tf.int64)
         steps = data.steps_per_epoch(num_examples, global_batch)
-        make_dataset = functools.partial(data.train_dataset, images, labels, buffer_size=8, global_batch=global_batch,
-                                         seed=3, first_epoch=0, first_image=0, epoch_images=num_examples,
-                                         epochs=2, replicas=strategy.num_replicas_in_sync)
+        stream = data.Stream(num_examples=num_examples, global_batch=global_batch, buffer_size=8, seed=3, epochs=2)
+        make_dataset = functools.partial(data.step_batches, images, labels, stream,
+                                         pad_to=strategy.num_replicas_in_sync)
         paths = {"project": data.distribute(strategy, make_dataset),
                  "keras": strategy.experimental_distribute_dataset(make_dataset(share=data.WHOLE))}
 
