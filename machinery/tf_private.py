@@ -52,6 +52,32 @@ def set_saved_position(state, *, epoch=None, batch=None):
         state._ckpt_saved_batch.assign(batch)
 
 
+def keep_backups(state, count):
+    """The chief keeps `count` backup checkpoints, not Keras's one (`MAX_CHECKPOINT_TO_KEEP`). Relies on the chief's
+    WorkerTrainingState holding one tf.train.CheckpointManager as both its `write_checkpoint_manager` and its
+    `read_checkpoint_manager` (it writes where every worker reads): replaced by one over the same checkpoint and
+    folder. Another worker's, which writes to a folder Keras removes after each backup, is left as it is."""
+    import tensorflow as tf
+
+    if state.write_checkpoint_manager is state.read_checkpoint_manager:
+        state.write_checkpoint_manager = state.read_checkpoint_manager = tf.train.CheckpointManager(
+            state.read_checkpoint_manager.checkpoint, state.read_checkpoint_manager.directory, max_to_keep=count)
+
+
+def restore_backup(state, checkpoint):
+    """Restores the model, the optimizer and Keras's counters from the backup's `checkpoint` (a path), where Keras
+    restores the newest whatever its state: through the tf.train.Checkpoint of WorkerTrainingState's
+    `read_checkpoint_manager`."""
+    state.read_checkpoint_manager.checkpoint.restore(checkpoint)
+
+
+def back_up_also(state, name, variable):
+    """Every backup from now on also saves `variable`, under `name`, in the same checkpoint as the model: an
+    attribute of the tf.train.Checkpoint of WorkerTrainingState's `write_checkpoint_manager`. backed_up_value
+    reads it back."""
+    setattr(state.write_checkpoint_manager.checkpoint, name, variable)
+
+
 def back_up(callback, *, epoch, batch):
     """BackupAndRestore's own backup: the model, the optimizer and the counters, through its checkpoint manager."""
     callback._backup(epoch=epoch, batch=batch)
@@ -60,6 +86,68 @@ def back_up(callback, *, epoch, batch):
 def current_epoch(callback):
     """The epoch BackupAndRestore's on_epoch_begin last saw."""
     return callback._current_epoch
+
+
+# ---------------------------------------------------------------- what Keras's backup checkpoint holds, by name
+
+# TensorFlow's checkpoint keys: a variable's path of attribute names, then VALUE. Keras's backup checkpoint holds
+# the model under MODEL (WorkerTrainingState's tf.train.Checkpoint) and the model its optimizer under OPTIMIZER;
+# the legacy (fused) Adam keeps each slot under its variable's OPTIMIZER_SLOT and counts its steps in FUSED_STEPS,
+# where Keras's Adam has `_iterations`, and its slots in `_variables`.
+VALUE = "/.ATTRIBUTES/VARIABLE_VALUE"
+MODEL = "model"
+OPTIMIZER = "optimizer"
+OPTIMIZER_SLOT = "/.OPTIMIZER_SLOT/"
+FUSED_STEPS = "iter"
+
+
+def backed_up_value(checkpoint, name):
+    """The value back_up_also saved under `name` in the backup's `checkpoint` (a path); None when it holds none."""
+    import tensorflow as tf
+
+    reader = tf.train.load_checkpoint(checkpoint)
+    return reader.get_tensor(name + VALUE) if reader.has_tensor(name + VALUE) else None
+
+
+def model_variables(model):
+    """{path: shape} of the model's own variables as a checkpoint names them (`layer_with_weights-1/kernel`),
+    found as TensorFlow's checkpoint finds them: breadth first through the objects the model tracks, each at the
+    first path that reaches it. The optimizer's are left out."""
+    import collections
+
+    import tensorflow as tf
+
+    found, seen, queue = {}, set(), collections.deque([((), model)])
+    while queue:
+        path, node = queue.popleft()
+        for name, child in tf.train.TrackableView(node).children(node).items():
+            if id(child) in seen or (not path and name == OPTIMIZER):
+                continue
+            seen.add(id(child))
+            if isinstance(child, tf.Variable):
+                found["/".join(path + (name,))] = list(child.shape)
+            else:
+                queue.append((path + (name,), child))
+    return found
+
+
+def backed_up_model(checkpoint):
+    """{path: shape} of the model's variables in a backup checkpoint, named as model_variables names them, without
+    its optimizer's."""
+    import tensorflow as tf
+
+    prefix = MODEL + "/"
+    return {name[len(prefix):-len(VALUE)]: shape for name, shape in tf.train.list_variables(checkpoint)
+            if name.startswith(prefix) and name.endswith(VALUE) and OPTIMIZER_SLOT not in name
+            and not name.startswith(f"{prefix}{OPTIMIZER}/")}
+
+
+def backed_up_fused_adam(checkpoint):
+    """Whether the backup's optimizer state is the fused Adam's (keras.optimizers.legacy.Adam) rather than Keras's
+    Adam's. Neither restores from the other's state."""
+    import tensorflow as tf
+
+    return f"{MODEL}/{OPTIMIZER}/{FUSED_STEPS}{VALUE}" in {name for name, _ in tf.train.list_variables(checkpoint)}
 
 
 # ---------------------------------------------------------------- TensorFlow's coordination service
