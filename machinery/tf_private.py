@@ -1,19 +1,28 @@
-"""Every use of TensorFlow's and tf_keras's private parts, in one room: what the project needs that neither
-offers publicly. Nothing else in the project reaches into `keras.src`, `tensorflow.python` or
-`tensorflow.compiler`, or reads a private attribute or an error's text.
+"""Every use of TensorFlow's, tf_keras's and tfds's private parts and error texts, in one room: what the project
+needs that none of them offers publicly. Nothing else in the project reaches into `keras.src`, `tensorflow.python`
+or `tensorflow.compiler`, names the layout of Keras's backup checkpoint, reads or replaces a private attribute, or
+parses an error's text.
 
 Each use is listed in README.md's "Known issues" and has a canary in tests/test_tf_private.py, which fails
-naming the TensorFlow version and what changed when an upgrade moves it.
+naming the versions and what changed when an upgrade moves it.
 
 - Keras's BackupAndRestore, driven from outside (resume.Backup): its training state (`WorkerTrainingState`,
   with the counters `_ckpt_saved_epoch` and `_ckpt_saved_batch`), where the callback and the model keep it
-  (`_training_state`), its `_backup` and `_current_epoch`, and the optimizer's `_built`.
+  (`_training_state`), its `_backup` and `_current_epoch`, and the optimizer's `_built`; the chief's checkpoint
+  manager, which is both `read_checkpoint_manager` and `write_checkpoint_manager`, replaced to keep more backups;
+  the checkpoint they hold, restored from a chosen backup and given the position's record to save.
+- The layout of Keras's backup checkpoint (resume): TensorFlow's keys (a path, then `/.ATTRIBUTES/VARIABLE_VALUE`),
+  the model under `model` and its optimizer under `optimizer`, the fused Adam's slots and its `iter`.
 - TensorFlow's coordination service (worker_group): configured, asked whether it runs, and waited at.
-- TensorFlow's error texts (worker_group): the tasks named in an error, the tasks a registration timed out on,
-  the reason a collective was aborted, and a gRPC server that could not start.
+- TensorFlow's error texts (worker_group, outputs): the tasks named in an error, the tasks a registration timed
+  out on, the reason a collective was aborted, a gRPC server that could not start, and the file a write found no
+  room for.
 - The device-side pipelines of TensorFlow's multi-device iterator (data): `_create_device_dataset`.
+- tfds's builder, preparing without its two lines (prepare_mnist): `_log_download_bytes` and `_log_download_done`.
 """
 
+import errno
+import os
 import re
 
 # ---------------------------------------------------------------- Keras's BackupAndRestore, driven from outside
@@ -200,6 +209,8 @@ TIMED_OUT = "timed out task names:"
 ABORTED_BY = "Collective ops is aborted by:"
 # A gRPC server whose port another process holds.
 GRPC_NOT_STARTED = "Could not start gRPC server"
+# A write that found its file system full: the file's name, then the C library's words for ENOSPC.
+NO_SPACE = re.compile(rf"(\S*); {os.strerror(errno.ENOSPC)}")
 # The call that failed when the coordination service's host stopped answering this task's heartbeats.
 LEADER_HEARTBEAT = "RPC: /tensorflow.CoordinationService/Heartbeat"
 
@@ -221,6 +232,14 @@ def timed_out_tasks(message):
 def abort_reason(message):
     """Why a collective op was aborted: the first line after ABORTED_BY (the message's first line without it)."""
     return message.split(ABORTED_BY)[-1].strip().splitlines()[0].rstrip(":")
+
+
+def no_space_for(message):
+    """The file TensorFlow's error `message` says it found no room to write ("" when it names none); None when the
+    message is no such failure. TensorFlow's file system puts the C library's words for ENOSPC after the file's
+    name: "<file>; No space left on device"."""
+    found = NO_SPACE.search(message)
+    return found[1] if found else None
 
 
 def grpc_server_not_started(message):

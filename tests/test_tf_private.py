@@ -238,6 +238,25 @@ def test_a_taken_port_is_told_by_its_text():
 
 # ---------------------------------------------------------------- TensorFlow's error texts, as raised
 
+# A device whose every write fails for want of space, as a full file system's do.
+FULL = "/dev/full"
+
+
+@pytest.mark.skipif(not os.path.exists(FULL), reason=f"no {FULL} here")
+def test_a_write_that_finds_no_room_names_its_file():
+    """Both ways TensorFlow writes files, an op and gfile (a checkpoint's SaveV2 on a full tmpfs is
+    tests/test_storage.py's)."""
+    writes = {"tf.io.write_file": lambda: tf.io.write_file(FULL, "x" * 2**17),
+              "tf.io.gfile": lambda: tf.io.gfile.GFile(FULL, "w").write("x" * 2**17)}
+    for how, write in writes.items():
+        with pytest.raises(tf.errors.OpError) as raised:
+            write()
+        assert tf_private.no_space_for(str(raised.value)) == FULL, changed(
+            f"{how} on a full device raised {type(raised.value).__name__}({str(raised.value)!r}), which "
+            f"{tf_private.NO_SPACE.pattern!r} does not find {FULL} in")
+    assert tf_private.no_space_for("/tmp/x; Permission denied") is None
+
+
 # A registration timed out (the test above), and a collective aborted (tests/test_schedulers.py): TensorFlow 2.21's
 # texts, as the parsers meet them. The canaries above and the lost-worker tests check them against TensorFlow.
 TIMED_OUT = (
