@@ -273,3 +273,15 @@ def wrap_device_datasets(wrap):
     create_wrapped.wrapped_with = wrap
     multi_device_iterator_ops._create_device_dataset = create_wrapped
     return True
+
+
+# ---------------------------------------------------------------- tfds's builder, preparing without its two lines
+
+
+def without_prepare_lines(builder):
+    """`builder`, whose download_and_prepare no longer prints tfds's two lines around its work: "Downloading and
+    preparing dataset <size> ..." and "Dataset <name> downloaded and prepared to <dir>. ...". Nothing is
+    downloaded in an offline prepare, and the prepare command says what it does itself. tfds prints them from the
+    builder's private `_log_download_bytes` and `_log_download_done`, replaced here on this instance."""
+    builder._log_download_bytes = builder._log_download_done = lambda: None
+    return builder
