@@ -19,6 +19,7 @@ import tensorflow_datasets as tfds
 from tensorflow_datasets.image_classification import mnist as tfds_mnist
 
 from config import EXIT_BAD_INPUT, EXIT_OK, IMAGE_SHAPE, NUM_CLASSES, UsageError
+from machinery import tf_private
 
 IDX_FILES = {
     "train": ("train-images-idx3-ubyte", "train-labels-idx1-ubyte"),
@@ -91,13 +92,6 @@ class _MnistFromIdx(tfds_mnist.MNIST, skip_registration=True):
         for index, (image, label) in enumerate(zip(images, labels)):
             yield index, {"image": image[..., None], "label": int(label)}
 
-    def _log_download_bytes(self):
-        """tfds's "Downloading and preparing dataset Unknown size ..." line: nothing is downloaded here, and
-        prepare() has said what it does."""
-
-    def _log_download_done(self):
-        print(f"prepared mnist in {self.data_dir}", flush=True)
-
 
 def is_prepared(builder):
     """builder.is_prepared(), without its warning that a dataset folder not yet made "has no dataset_info.json"
@@ -130,7 +124,7 @@ def prepare(idx_dir, data_dir=None, *, exist_ok=False):
     root = data_dir or os.path.dirname(os.path.dirname(tfds.builder("mnist").data_dir))  # tfds's own default
     with _prepare_lock(root):
         # Made under the lock, so that it sees what a prepare that held the lock before wrote.
-        builder = _MnistFromIdx(splits=splits, data_dir=data_dir)
+        builder = tf_private.without_prepare_lines(_MnistFromIdx(splits=splits, data_dir=data_dir))
         if is_prepared(builder):
             if exist_ok:
                 return builder.data_dir
@@ -139,6 +133,7 @@ def prepare(idx_dir, data_dir=None, *, exist_ok=False):
         # tfds writes into an "incomplete" temporary folder and renames it when done, so a killed prepare
         # leaves no half-written dataset behind.
         builder.download_and_prepare(download_config=tfds.download.DownloadConfig(try_download_gcs=False))
+        print(f"prepared mnist in {builder.data_dir}", flush=True)
     return builder.data_dir
 
 

@@ -5,11 +5,11 @@ found the disk full says."""
 import errno
 import json
 import os
-import re
 import shutil
 import tempfile
 
 from config import UsageError
+from machinery import tf_private
 
 
 def refuse_finished_run(cfg):
@@ -125,20 +125,16 @@ def finish(cfg, figures, *, is_chief, work_dir):
 
 # ---------------------------------------------------------------- a full disk
 
-# The C library's words for ENOSPC, which TensorFlow's file system puts in its errors' messages after the file's
-# name ("<file>; No space left on device"); Python's writes raise OSError with the errno instead.
-NO_SPACE = os.strerror(errno.ENOSPC)
-
-
 def unwritten_file(err):
     """The file a write failed on for want of space, when `err` or an exception behind it is that failure ("" if
-    it names none); None for any other error."""
+    it names none); None for any other error. Python's writes raise OSError with ENOSPC, TensorFlow's say so in
+    their message (tf_private.no_space_for)."""
     while err is not None:
         if isinstance(err, OSError) and err.errno == errno.ENOSPC:
             return os.fsdecode(err.filename or "")
-        found = re.search(rf"(\S*); {NO_SPACE}", str(err))
-        if found:
-            return found[1]
+        unwritten = tf_private.no_space_for(str(err))
+        if unwritten is not None:
+            return unwritten
         err = err.__cause__ or err.__context__
     return None
 

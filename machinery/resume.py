@@ -18,7 +18,6 @@ This is the one place the position is computed. The input stream starts at its i
 schedule counts epochs from it (callbacks.ScaledDecay), and results.json reports it.
 """
 
-import collections
 import dataclasses
 import json
 import math
@@ -35,9 +34,8 @@ from config import Preempted, UsageError
 from model import keras
 from machinery.sigterm import Preemption
 
-# The checkpoint attribute that holds the record, and where Keras's BackupAndRestore keeps the chief's backup.
+# The name the record has in the backup's checkpoint, and where Keras's BackupAndRestore keeps the chief's backup.
 RECORD = "resume_position"
-RECORD_KEY = f"{RECORD}/.ATTRIBUTES/VARIABLE_VALUE"
 CHIEF_BACKUP = "chief"
 # Checkpoints the backup keeps (Keras keeps one): should the newest be damaged, say truncated when the storage
 # under it failed, a restart goes on from the one before it (newest_intact). Each is 4 MB for this model.
@@ -132,11 +130,11 @@ def newest_intact(backup_dir):
 
 def position_in(checkpoint, backup_dir):
     """The position the backup's checkpoint `checkpoint` records."""
-    reader = tf.train.load_checkpoint(checkpoint)
-    if not reader.has_tensor(RECORD_KEY):
+    record = tf_private.backed_up_value(checkpoint, RECORD)
+    if record is None:
         raise UsageError(f"the backup in {backup_dir} does not record what its position means (an earlier version "
                          f"of this script made it); finish it with that version, {START_OVER}")
-    return Position.from_json(reader.get_tensor(RECORD_KEY).decode())
+    return Position.from_json(record.decode())
 
 
 def read(backup_dir):
@@ -193,47 +191,6 @@ def check(position, now, *, epochs, backup_dir):
 
 # ---------------------------------------------------------------- what the backup's model and optimizer are
 
-# Where Keras's backup checkpoint keeps the model (WorkerTrainingState's `model`) and its optimizer; each variable's
-# value sits under its path plus VALUE, and the legacy (fused) Adam's slots under a variable's OPTIMIZER_SLOT.
-MODEL = "model"
-OPTIMIZER = "optimizer"
-VALUE = "/.ATTRIBUTES/VARIABLE_VALUE"
-OPTIMIZER_SLOT = "/.OPTIMIZER_SLOT/"
-
-
-def model_variables(model):
-    """{path: shape} of the model's own variables as a checkpoint names them (`layer_with_weights-1/kernel`),
-    found as TensorFlow's checkpoint finds them: breadth first through the objects the model tracks, each at the
-    first path that reaches it. The optimizer's are left out."""
-    found, seen, queue = {}, set(), collections.deque([((), model)])
-    while queue:
-        path, node = queue.popleft()
-        for name, child in tf.train.TrackableView(node).children(node).items():
-            if id(child) in seen or (not path and name == OPTIMIZER):
-                continue
-            seen.add(id(child))
-            if isinstance(child, tf.Variable):
-                found["/".join(path + (name,))] = list(child.shape)
-            else:
-                queue.append((path + (name,), child))
-    return found
-
-
-def backed_up_model(checkpoint):
-    """{path: shape} of the model's variables in a backup checkpoint, without its optimizer's."""
-    prefix = MODEL + "/"
-    return {name[len(prefix):-len(VALUE)]: shape for name, shape in tf.train.list_variables(checkpoint)
-            if name.startswith(prefix) and name.endswith(VALUE) and OPTIMIZER_SLOT not in name
-            and not name.startswith(f"{prefix}{OPTIMIZER}/")}
-
-
-def backed_up_fused_adam(checkpoint):
-    """Whether the backup's optimizer state is the fused Adam's (keras.optimizers.legacy.Adam), which counts its
-    steps in `iter` and keeps its slots beside each variable, rather than Keras's Adam's (`_iterations`, and its
-    slots in `_variables`). Neither restores from the other's state."""
-    return f"{MODEL}/{OPTIMIZER}/iter{VALUE}" in {name for name, _ in tf.train.list_variables(checkpoint)}
-
-
 # --fused-adam as the command line gives it, each way (off, on), and what the backup's optimizer state then holds.
 FUSED_ADAM = (("with --no-fused-adam", "Keras's Adam's variables"), ("with --fused-adam", "the fused Adam's slots"))
 
@@ -258,13 +215,13 @@ def refuse_another_model(cfg, plan, model):
     if plan.checkpoint is None:
         return
     backup_dir = cfg.path(cfg.backup_dir)
-    differences = model_differences(backed_up_model(plan.checkpoint), model_variables(model))
+    differences = model_differences(tf_private.backed_up_model(plan.checkpoint), tf_private.model_variables(model))
     if differences:
         more = f" (and {len(differences) - 2} more)" if len(differences) > 2 else ""
         raise UsageError(f"the backup in {backup_dir} holds another model than this run builds: "
                          f"{'; '.join(differences[:2])}{more}; rerun with the model.py that made it to resume it, "
                          f"{START_OVER}")
-    fused = backed_up_fused_adam(plan.checkpoint)
+    fused = tf_private.backed_up_fused_adam(plan.checkpoint)
     if fused != cfg.fused_adam:
         (made, holds), (now, _) = FUSED_ADAM[fused], FUSED_ADAM[cfg.fused_adam]
         raise UsageError(f"the backup in {backup_dir} was made {made} (its optimizer state holds {holds}), this run "
@@ -422,15 +379,10 @@ class Backup(keras.callbacks.BackupAndRestore):
         tf_private.build_optimizer(self.model)  # as Keras does, so that the restore fills its slots
         state = tf_private.worker_training_state(self.model, self.backup_dir, self.save_freq)
         tf_private.attach_training_state(self, state)
-        if state.write_checkpoint_manager is state.read_checkpoint_manager:  # the chief, which writes where all read
-            state.write_checkpoint_manager = state.read_checkpoint_manager = tf.train.CheckpointManager(
-                state.read_checkpoint_manager.checkpoint, state.read_checkpoint_manager.directory,
-                max_to_keep=BACKUPS_KEPT)
+        tf_private.keep_backups(state, BACKUPS_KEPT)
         if self._plan.checkpoint:
-            # The model, the optimizer and Keras's counters.
-            state.read_checkpoint_manager.checkpoint.restore(self._plan.checkpoint)
-        # Written with every backup from now on, in the same checkpoint as the weights.
-        setattr(state.write_checkpoint_manager.checkpoint, RECORD, self._record)
+            tf_private.restore_backup(state, self._plan.checkpoint)  # the model, the optimizer and Keras's counters
+        tf_private.back_up_also(state, RECORD, self._record)  # in the same checkpoint as the weights
         # Keras's counters, in this run's steps: `fit` resumes epoch `plan.epoch` after the step before
         # `plan.first_step`; -1 (no step done) keeps the initial_epoch `fit` was given, at step 0.
         tf_private.set_saved_position(state, epoch=self._plan.epoch, batch=self._plan.first_step - 1)

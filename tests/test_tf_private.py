@@ -1,15 +1,17 @@
-"""Canaries for tf_private.py, the one module that uses TensorFlow's and tf_keras's private parts: each fails,
-naming the TensorFlow version and what changed, when an upgrade moves a part the project relies on (README,
-"Known issues"). Each drives the part for real, as the project does."""
+"""Canaries for tf_private.py, the one module that uses TensorFlow's, tf_keras's and tfds's private parts and
+error texts: each fails, naming the versions and what changed, when an upgrade moves a part the project relies on
+(README, "Known issues"). Each drives the part for real, as the project does."""
 
 import inspect
 import json
+import os
 import subprocess
 import sys
 
 import numpy as np
 import pytest
 import tensorflow as tf
+import tensorflow_datasets as tfds
 
 from machinery import tf_private
 from conftest import ROOT, free_ports, subprocess_env
@@ -21,8 +23,8 @@ FORM_SECONDS = 120
 
 def changed(what):
     """The canary's message: the versions installed and what no longer holds."""
-    return (f"TensorFlow {tf.__version__}, tf_keras {keras.__version__}: {what}; tf_private.py relies on it "
-            "(README, \"Known issues\")")
+    return (f"TensorFlow {tf.__version__}, tf_keras {keras.__version__}, tfds {tfds.__version__}: {what}; "
+            "tf_private.py relies on it (README, \"Known issues\")")
 
 
 def tiny_model():
@@ -69,6 +71,82 @@ def test_backup_and_restore_callback_internals(tmp_path):
     tf_private.back_up(callback, epoch=3, batch=2)
     assert tf.train.latest_checkpoint(str(tmp_path / "chief")), changed(
         "BackupAndRestore._backup writes no checkpoint in backup_dir/chief")
+
+
+def backup_callback(model, backup_dir):
+    """A BackupAndRestore with its training state, as resume.Backup sets them up at train begin."""
+    callback = keras.callbacks.BackupAndRestore(str(backup_dir), save_freq=5, delete_checkpoint=False)
+    callback.set_model(model)
+    tf_private.build_optimizer(model)
+    state = tf_private.worker_training_state(model, str(backup_dir), 5)
+    tf_private.attach_training_state(callback, state)
+    return callback, state
+
+
+def backups(backup_dir):
+    return list(tf.train.get_checkpoint_state(str(backup_dir / "chief")).all_model_checkpoint_paths)
+
+
+def test_the_chief_keeps_the_backups_asked_for(tmp_path):
+    callback, state = backup_callback(tiny_model(), tmp_path)
+    tf_private.keep_backups(state, 2)
+    for batch in range(3):
+        tf_private.back_up(callback, epoch=0, batch=batch)
+    kept = [os.path.basename(path) for path in backups(tmp_path)]
+    assert kept == ["ckpt-2", "ckpt-3"], changed(
+        f"the chief's WorkerTrainingState kept {kept} of three backups, not the last two: its write_checkpoint_manager "
+        "is no longer its read_checkpoint_manager, or BackupAndRestore._backup no longer saves through it")
+
+
+def test_a_chosen_backup_is_restored_with_what_it_also_saved(tmp_path):
+    """What resume.Backup does: each backup also saves the record; a restart restores the one it chose, not the
+    newest, and reads the record it holds."""
+    model = tiny_model()
+    callback, state = backup_callback(model, tmp_path)
+    tf_private.keep_backups(state, 2)
+    record = tf.Variable("", trainable=False)
+    tf_private.back_up_also(state, "record", record)
+    for batch in range(2):
+        model.layers[0].kernel.assign(np.full((2, 1), batch + 1.0))
+        record.assign(f"backup {batch}")
+        tf_private.set_saved_position(state, epoch=0, batch=batch)
+        tf_private.back_up(callback, epoch=0, batch=batch)
+    first, second = backups(tmp_path)
+    assert tf_private.backed_up_value(second, "record") == b"backup 1", changed(
+        f"a variable set on the checkpoint of WorkerTrainingState's write_checkpoint_manager is not in the backup "
+        f"under {'record' + tf_private.VALUE!r}: {tf.train.list_variables(second)}")
+    assert tf_private.backed_up_value(first, "another") is None
+
+    restored = tiny_model()
+    _, state = backup_callback(restored, tmp_path)
+    tf_private.restore_backup(state, first)
+    assert restored.layers[0].kernel.numpy().tolist() == [[1.0], [1.0]], changed(
+        "restoring through WorkerTrainingState's read_checkpoint_manager's checkpoint gives the model another kernel")
+    assert int(state._ckpt_saved_batch.numpy()) == 0, changed(
+        "restoring through WorkerTrainingState's read_checkpoint_manager's checkpoint does not restore its counters")
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["adam", "fused-adam"])
+def test_the_backups_model_and_optimizer_are_told_by_their_names(tmp_path, fused):
+    """resume.refuse_another_model compares the model's variables, named as a checkpoint names them, with those
+    in the backup, and tells the fused Adam's state from Keras's Adam's."""
+    model = keras.Sequential([keras.Input(shape=(4, 4, 1)), keras.layers.Conv2D(2, 3), keras.layers.Flatten(),
+                              keras.layers.Dense(3)])
+    model.compile(optimizer=keras.optimizers.legacy.Adam() if fused else keras.optimizers.Adam(), loss="mse")
+    model.fit(np.zeros((2, 4, 4, 1)), np.zeros((2, 3)), verbose=0)  # the fused Adam makes its slots in its first step
+    callback, _ = backup_callback(model, tmp_path)
+    tf_private.back_up(callback, epoch=0, batch=0)
+    checkpoint = tf.train.latest_checkpoint(str(tmp_path / "chief"))
+    named = tf_private.model_variables(model)
+    assert sorted(named.values()) == sorted(list(v.shape) for v in model.variables), changed(
+        f"TensorFlow's checkpoint no longer reaches the model's variables through the objects it tracks: {named}")
+    backed_up = tf_private.backed_up_model(checkpoint)
+    assert backed_up == named, changed(
+        f"the backup holds the model's variables as {backed_up}, the model names them {named} "
+        f"(under {tf_private.MODEL!r}, without {tf_private.OPTIMIZER!r}, each ending {tf_private.VALUE!r})")
+    assert tf_private.backed_up_fused_adam(checkpoint) is fused, changed(
+        f"the fused Adam's step count is {'not ' if fused else ''}in the backup as {tf_private.FUSED_STEPS!r}: "
+        f"{[name for name, _ in tf.train.list_variables(checkpoint) if name.startswith('model/optimizer/')]}")
 
 
 def test_fit_resumes_at_the_position_set_in_the_training_state(tmp_path):
@@ -160,6 +238,25 @@ def test_a_taken_port_is_told_by_its_text():
 
 # ---------------------------------------------------------------- TensorFlow's error texts, as raised
 
+# A device whose every write fails for want of space, as a full file system's do.
+FULL = "/dev/full"
+
+
+@pytest.mark.skipif(not os.path.exists(FULL), reason=f"no {FULL} here")
+def test_a_write_that_finds_no_room_names_its_file():
+    """Both ways TensorFlow writes files, an op and gfile (a checkpoint's SaveV2 on a full tmpfs is
+    tests/test_storage.py's)."""
+    writes = {"tf.io.write_file": lambda: tf.io.write_file(FULL, "x" * 2**17),
+              "tf.io.gfile": lambda: tf.io.gfile.GFile(FULL, "w").write("x" * 2**17)}
+    for how, write in writes.items():
+        with pytest.raises(tf.errors.OpError) as raised:
+            write()
+        assert tf_private.no_space_for(str(raised.value)) == FULL, changed(
+            f"{how} on a full device raised {type(raised.value).__name__}({str(raised.value)!r}), which "
+            f"{tf_private.NO_SPACE.pattern!r} does not find {FULL} in")
+    assert tf_private.no_space_for("/tmp/x; Permission denied") is None
+
+
 # A registration timed out (the test above), and a collective aborted (tests/test_schedulers.py): TensorFlow 2.21's
 # texts, as the parsers meet them. The canaries above and the lost-worker tests check them against TensorFlow.
 TIMED_OUT = (
@@ -230,3 +327,24 @@ def test_fit_calls_the_step_hooks_set_on_the_instance():
     # Traced once or more (autograph may trace twice), each step calling both.
     assert calls[:2] == ["train_step", "compute_metrics"] and set(calls) == {"train_step", "compute_metrics"}, changed(
         f"`fit` traced {calls} instead of the instance's `train_step` and `compute_metrics`")
+
+
+# ---------------------------------------------------------------- tfds's builder, preparing without its two lines
+
+def test_a_prepare_prints_tfds_lines_only_when_not_told_otherwise(tmp_path, mnist_arrays, capfd):
+    import prepare_mnist
+
+    def prepared(builder):
+        builder.download_and_prepare(download_config=tfds.download.DownloadConfig(try_download_gcs=False))
+        return capfd.readouterr().out
+
+    capfd.readouterr()
+    loud = prepared(prepare_mnist._MnistFromIdx(splits=mnist_arrays, data_dir=str(tmp_path / "loud")))
+    assert "Downloading and preparing dataset" in loud and "downloaded and prepared" in loud, changed(
+        f"tfds's builder no longer prints its two lines around a prepare, and without_prepare_lines has nothing "
+        f"left to do: it printed {loud!r}")
+    quiet = prepared(tf_private.without_prepare_lines(
+        prepare_mnist._MnistFromIdx(splits=mnist_arrays, data_dir=str(tmp_path / "quiet"))))
+    assert "Downloading" not in quiet and "downloaded" not in quiet, changed(
+        f"tfds's builder prints its lines through something other than `_log_download_bytes` and "
+        f"`_log_download_done` now: {quiet!r}")
