@@ -22,7 +22,8 @@ from machinery import scratch
 
 OUTSIDE_TRAINING = ("pre-empted (SIGTERM) outside training; run the same command again to resume after the last "
                     "backed-up step")
-# How long the process's exit handlers and the flush of its output get before the process ends anyway (end_process): the main thread may hold what they wait for.
+# How long the process's exit handlers and the flush of its output get before the process ends anyway
+# (end_process): the main thread may hold what they wait for.
 TIDY_SECONDS = 2
 
 
