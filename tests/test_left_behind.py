@@ -9,6 +9,7 @@ folder holds only what the README's "Outputs" documents.
 
 import json
 import os
+import pathlib
 import re
 import subprocess
 import sys
@@ -259,3 +260,7 @@ def test_a_node_that_runs_stopped_and_restarted_jobs_keeps_nothing(tmp_path):
     assert not interrupted_out.exists() or os.listdir(interrupted_out) == []
     for output_dir in (lost_out, preempted_out):
         assert set(os.listdir(output_dir)) == finished, output_dir
+        # Nor anything half-written inside them: Keras's non-chief copies, or a write not yet renamed into place.
+        leftovers = [str(path) for path in pathlib.Path(output_dir).rglob("*")
+                     if re.search(r"workertemp|partial|_temp", path.name)]
+        assert leftovers == []
