@@ -18,8 +18,8 @@ import numpy as np
 import tensorflow_datasets as tfds
 from tensorflow_datasets.image_classification import mnist as tfds_mnist
 
-from config import EXIT_BAD_INPUT, EXIT_OK, IMAGE_SHAPE, NUM_CLASSES, UsageError
-from machinery import tf_private
+from config import EXIT_BAD_INPUT, EXIT_INTERRUPTED, EXIT_OK, EXIT_PREEMPTED, IMAGE_SHAPE, NUM_CLASSES, UsageError
+from machinery import scratch, sigterm, terminal, tf_private
 
 IDX_FILES = {
     "train": ("train-images-idx3-ubyte", "train-labels-idx1-ubyte"),
@@ -29,6 +29,8 @@ IDX_FILES = {
 IDX_MAGIC = {3: 0x00000803, 1: 0x00000801}
 HINT = "python prepare_mnist.py --idx-dir DIR_WITH_IDX_FILES"
 LOCK = ".mnist-prepare.lock"  # in the data dir; tfds ignores it
+# tfds writes into a temporary folder and renames it when whole: a prepare stopped before that leaves no dataset.
+NOT_KEPT = "no half-written dataset was kept; run the same command again to prepare it"
 
 
 def _idx_path(idx_dir, name):
@@ -144,15 +146,27 @@ def main(argv=None):
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--idx-dir", required=True, help="folder holding train-images-idx3-ubyte(.gz) and the other three")
     parser.add_argument("--data-dir", default=None, help="tfds data dir to write (unset: tfds's own, ~/tensorflow_datasets)")
+    parser.add_argument("--verbose", action="store_true", help="also show TensorFlow's start-up notices, held back otherwise")
     args = parser.parse_args(argv)
+    # As the entrypoint: SIGTERM and Ctrl-C end it with one line, TensorFlow's start-up notices held back, and
+    # every temporary file in one folder, removed at the end (a tfds builder leaves an empty one offline).
+    data_dir = os.path.abspath(args.data_dir) if args.data_dir else "tfds's default data dir"
     try:
-        path = prepare(args.idx_dir, args.data_dir)
+        with sigterm.raised(), scratch.kept(f"prepare {data_dir}"):
+            terminal.start_tensorflow(args.verbose)
+            prepare(args.idx_dir, args.data_dir)
     except UsageError as err:
         print(f"error: {err}", file=sys.stderr)
         return EXIT_BAD_INPUT
-    print(f"prepared mnist in {path}; train with: python train_mnist_mirrored.py --data-dir {args.data_dir or '~/tensorflow_datasets'}")
+    except sigterm.Stopped:
+        print(f"error: stopped (SIGTERM); {NOT_KEPT}", file=sys.stderr)
+        return EXIT_PREEMPTED
+    except KeyboardInterrupt:
+        print(f"error: interrupted; {NOT_KEPT}", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    print(f"train with: python train_mnist_mirrored.py --data-dir {args.data_dir or '~/tensorflow_datasets'}")
     return EXIT_OK
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sigterm.end_process(main())

@@ -12,9 +12,6 @@ import os
 import sys
 import time
 
-# TensorFlow's C++ INFO and WARNING lines once it runs (input-pipeline notices); errors still show. This does
-# not reach the notices TensorFlow prints while it starts: see terminal.start_tensorflow.
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 # TensorFlow's CPU tensors from its own BFC allocator, which keeps freed memory for the next step, instead of
 # malloc. With malloc, a worker of a multi-worker run took about 6,000 fresh pages a step (zeroed by the kernel,
 # then unmapped), a quarter of its CPU time; one replica took almost none, and is as fast either way
@@ -25,6 +22,7 @@ import config
 from machinery import gpu_box
 from machinery import outputs
 from machinery import run_lock
+from machinery import scratch
 from machinery import sigterm
 from machinery import terminal
 from machinery import worker_group
@@ -223,7 +221,9 @@ def outcome(args, preemption):
         if workers is None or workers.rank == 0:
             run_lock.take(cfg)  # the chief's, until this process ends
         outputs.refuse_finished_run(cfg)
-        return run(cfg, preemption), None
+        # Every temporary file in one folder, removed at every end; a restart of this worker finds it by its name.
+        with scratch.kept(f"{os.path.abspath(cfg.output_dir)} worker {workers.rank if workers else 0}"):
+            return run(cfg, preemption), None
     except UsageError as err:
         return EXIT_BAD_INPUT, f"error: {err}"
     except Preempted as err:

@@ -7,6 +7,6 @@ package around them:
   they come together and leave (worker_group), and a GPU box that TensorFlow cannot use (gpu_box);
 - faults: pre-emption (sigterm), resume and its backup (resume), one run per output folder (run_lock);
 - the terminal and outputs: TensorFlow's start-up notices held back and the summary (terminal), results.json and
-  the output folders (outputs);
+  the output folders (outputs), every temporary file in one folder removed at every end (scratch);
 - every use of TensorFlow's, tf_keras's and tfds's private parts and error texts (tf_private).
 """

@@ -88,7 +88,6 @@ def refuse_silent_cpu_run(cfg, tf, environ=os.environ):
 def main():
     """The check alone, for benchmarks/gpu_check.sh: exit 0 where TensorFlow can use the GPUs (or there are
     none), 2 with the run's own line where it cannot."""
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # as the entrypoint: TensorFlow's notices held back
     from machinery import terminal
     from config import Config
 

@@ -18,11 +18,12 @@ import sys
 import threading
 
 from config import EXIT_PREEMPTED, Preempted
+from machinery import scratch
 
 OUTSIDE_TRAINING = ("pre-empted (SIGTERM) outside training; run the same command again to resume after the last "
                     "backed-up step")
-# How long the process's exit handlers (autograph's removal of its generated files under TMPDIR) and the flush of
-# its output get before the process ends anyway (end_process): the main thread may hold what they wait for.
+# How long the process's exit handlers and the flush of its output get before the process ends anyway
+# (end_process): the main thread may hold what they wait for.
 TIDY_SECONDS = 2
 
 
@@ -84,11 +85,12 @@ class Preemption:
 
 def end_process(status):
     """Ends this process now with `status`, without the interpreter's teardown (TensorFlow's may hang, or log
-    errors): the exit handlers still run, autograph's removing the files it generated under TMPDIR, and the
-    output is flushed, within TIDY_SECONDS."""
+    errors): the exit handlers still run and the output is flushed, within TIDY_SECONDS, and the process's scratch
+    folder is removed last (scratch.py), when nothing it runs writes there any more."""
     tidy = threading.Thread(target=_tidy, name="exit-tidy", daemon=True)
     tidy.start()
     tidy.join(TIDY_SECONDS)
+    scratch.remove()
     os._exit(status)
 
 
@@ -117,3 +119,26 @@ def watched():
         # SIGTERM stays blocked: the run's exit status is decided by now, and a SIGTERM in its last moments (or
         # in the interpreter's exit) must not turn a finished run into one killed by the signal, which the
         # scheduler would restart only to find it finished.
+
+
+# ---------------------------------------------------------------- a command that runs Python throughout
+
+class Stopped(BaseException):
+    """SIGTERM, raised in the main thread as Ctrl-C's KeyboardInterrupt is (`raised`), and like it no Exception:
+    nothing on the way out takes it for an error of its own."""
+
+
+@contextlib.contextmanager
+def raised():
+    """SIGTERM raises Stopped in the main thread while the block runs, and stays blocked after it (as `watched`
+    leaves it). For a command whose main thread runs Python throughout (prepare_mnist.py): what it was writing is
+    cleaned up on the way out, as for Ctrl-C. The entrypoint cannot do this (see the top of this module)."""
+    def stop(signum, frame):
+        raise Stopped
+
+    previous = signal.signal(signal.SIGTERM, stop)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+        signal.signal(signal.SIGTERM, previous)

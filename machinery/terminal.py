@@ -31,7 +31,8 @@ def without_startup_notices(lines):
 def startup_output_held(verbose, explained=()):
     """Holds back what reaches file descriptor 2 (C++ and Python alike) while the block runs, then shows it
     without TensorFlow's start-up notices: all of it with `verbose`, or when the block fails. A failure of an
-    `explained` kind drops it instead (unless `verbose`): its own one-line error says what happened."""
+    `explained` kind, and a stop (Ctrl-C, or SIGTERM raised as sigterm.Stopped), drop it instead (unless
+    `verbose`): the one line that follows says what happened."""
     sys.stderr.flush()
     saved = os.dup(2)
     held = tempfile.TemporaryFile()
@@ -41,6 +42,11 @@ def startup_output_held(verbose, explained=()):
         yield
         failed = False
     except explained:
+        dropped = True
+        raise
+    except Exception:
+        raise
+    except BaseException:
         dropped = True
         raise
     finally:
@@ -58,6 +64,9 @@ def startup_output_held(verbose, explained=()):
 
 def start_tensorflow(verbose):
     """Imports TensorFlow and lets it probe for GPUs, which is where CUDA reports, its notices held back."""
+    # TensorFlow's C++ INFO and WARNING lines once it runs (input-pipeline notices); errors still show. Read as its
+    # libraries load; it does not reach the notices above. A user's setting wins.
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     with startup_output_held(verbose):
         import tensorflow as tf
 

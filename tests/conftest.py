@@ -191,21 +191,33 @@ def free_ports(n, consecutive=False):
     raise RuntimeError(f"no {n} free ports found in 100 draws")
 
 
+def _sigint_default():
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 class Worker:
     """One process of the entrypoint: the one way the tests start it. Its output goes to files (pipes nobody
     reads fill up and stall it), unbuffered so that a test can follow its progress, and its TMPDIR is a folder
     of its own, so a test sees what it leaves there."""
 
-    def __init__(self, args, env, directory, name, run_in=()):
-        """`run_in`: a command prefix that runs it elsewhere, e.g. on another host (tests/netns.py)."""
+    def __init__(self, args, env, directory, name, run_in=(), script="train_mnist_mirrored.py", interruptible=False):
+        """`run_in`: a command prefix that runs it elsewhere, e.g. on another host (tests/netns.py); `script`: the
+        entrypoint or prepare_mnist.py. An `interruptible` one starts in a process group of its own with SIGINT's
+        default action (a shell's background jobs ignore SIGINT, and their children inherit that), so that
+        `interrupt()` is a terminal's Ctrl-C."""
         self.scratch = directory / name
         self.scratch.mkdir()
         self.stdout_path, self.stderr_path = directory / f"{name}.stdout", directory / f"{name}.stderr"
         with open(self.stdout_path, "w") as out, open(self.stderr_path, "w") as err:
-            self.proc = subprocess.Popen([*run_in, sys.executable, "train_mnist_mirrored.py", *args], cwd=ROOT,
+            self.proc = subprocess.Popen([*run_in, sys.executable, script, *args], cwd=ROOT,
                                          env={**subprocess_env(), "PYTHONUNBUFFERED": "1",
                                               "TMPDIR": str(self.scratch), **env},
-                                         stdout=out, stderr=err, text=True)
+                                         stdout=out, stderr=err, text=True, start_new_session=interruptible,
+                                         preexec_fn=_sigint_default if interruptible else None)
+
+    def interrupt(self):
+        """Ctrl-C: SIGINT to the process group."""
+        os.killpg(self.proc.pid, signal.SIGINT)
 
     @property
     def returncode(self):

@@ -171,7 +171,7 @@ def test_a_sigterm_noted_during_training_ends_the_run_as_training_ends():
                          ids=["python", "c-call", "hung-exit-handler"])
 def test_sigterm_outside_training_ends_the_process_from_its_own_thread(then):
     """Nothing is raised into the main thread, wherever it is: the process prints its one line, runs its exit
-    handlers (autograph's removes its files under TMPDIR) for up to TIDY_SECONDS, and ends with 143."""
+    handlers for up to TIDY_SECONDS, and ends with 143."""
     started = time.monotonic()
     code = "import atexit\natexit.register(print, 'exit handlers ran')\n" + WATCHED.format(training=False, then=then)
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=subprocess_env(), capture_output=True,

@@ -23,9 +23,10 @@ def _results(output_dir):
         return json.load(f)
 
 
-def _worker_folders(scratch):
-    """A non-chief's own output folder under its TMPDIR (tfds leaves empty tmp*tfds folders there when offline)."""
-    return [name for name in os.listdir(scratch) if name.startswith("mnist-worker-")]
+def _left_in(tmpdir):
+    """What a worker left under its TMPDIR, its own output folder included: nothing (docs/faults.md, "Nothing left
+    behind")."""
+    return os.listdir(tmpdir)
 
 
 def _no_nvidia_smi():
@@ -62,9 +63,9 @@ def test_two_slurm_tasks_prepare_one_shared_data_dir_and_task_0_writes_outputs(t
         assert_one_port_warning(w.stderr, port=base + rank)
     results = _results(output_dir)
     assert results["replicas"] == 2 and results["strategy"] == "multiworker"
-    # Task 0 is the chief: only its outputs are in --output-dir; task 1 removed its temporary copies.
+    # Task 0 is the chief: only its outputs are in --output-dir; neither task left anything under its TMPDIR.
     assert sorted(os.listdir(output_dir)) == CHIEF_OUTPUTS
-    assert _worker_folders(tmp_path / "task1") == []
+    assert _left_in(tmp_path / "task0") == _left_in(tmp_path / "task1") == []
     # One task prepared the data while the other waited for its lock (or found it done): one copy, no leftovers.
     preparers = [w for w in workers if any(line.startswith("preparing mnist in") for line in w.stdout.splitlines())]
     assert len(preparers) == 1
@@ -118,9 +119,10 @@ def test_tfjob_worker_lost_exits_138_and_restart_resumes(tmp_path, data_dir):
     assert 2 <= results["resumed_from_epoch"] < EPOCHS
     trained = [n for n in range(1, EPOCHS + 1) if f"Epoch {n}/{EPOCHS}" in restarted[0].stdout]
     assert trained == list(range(results["resumed_from_epoch"] + 1, EPOCHS + 1))
-    # The chief wrote the outputs; the worker wrote only to its own temporary folder, and removed it.
+    # The chief wrote the outputs; the worker wrote only to its own temporary folder, and removed it. Neither
+    # left anything under its TMPDIR, in the run that lost a worker too.
     assert sorted(os.listdir(output_dir)) == CHIEF_OUTPUTS
-    assert _worker_folders(tmp_path / "worker2") == []
+    assert [_left_in(tmp_path / name) for name in ("chief1", "chief2", "worker2")] == [[]] * 3
 
 
 # What TensorFlow 2.21 raised in a survivor when its peer was killed or stopped (tests/test_schedulers.py's TFJob run,
