@@ -23,6 +23,9 @@ BATCH = 32
 EVERY = 10  # steps between backups: 320 images
 ARGS = ["--epochs", str(EPOCHS), "--batch-size-per-replica", str(BATCH), "--steps-per-execution", "5",
         "--backup-every-steps", str(EVERY)]
+FULL_BACKUPS = 2.5  # the tmpfs's room, in backups: two are kept, and the third finds no room
+ROOMY_BACKUPS = 16  # room for the whole run: backups, checkpoints and exports (64 MB for the tutorial's model)
+ROOMY_BYTES = 64 * 2 ** 20  # at least: the exports and logs of a small model take more than its backups
 
 
 def _backup_bytes():
@@ -69,7 +72,7 @@ def _every_image_once(output_dir):
 def full_disk(tmp_path_factory, resume_data_dir):
     """The run on a full disk, its output dir (the tmpfs, still as small), and two copies of what it left."""
     base = tmp_path_factory.mktemp("storage")
-    mount = _mount(base / "tmpfs", int(2.5 * _backup_bytes()))  # room for two backups, not for a third
+    mount = _mount(base / "tmpfs", int(FULL_BACKUPS * _backup_bytes()))
     try:
         run = run_entrypoint(_args(resume_data_dir, mount), base)
         copies = {name: shutil.copytree(mount, base / name) for name in ("latest_damaged", "all_damaged")}
@@ -90,7 +93,7 @@ def test_a_full_disk_says_so_in_one_line_and_the_same_command_resumes_with_room(
     # Two backups were written before the third found no room; both are whole.
     assert backed_up_images(str(mount / "backup")) == 2 * EVERY * BATCH
 
-    roomy = max(64 * 2 ** 20, 16 * _backup_bytes())  # room for the whole run
+    roomy = max(ROOMY_BYTES, ROOMY_BACKUPS * _backup_bytes())
     subprocess.run(["mount", "-o", f"remount,size={roomy}", str(mount)], check=True, timeout=60)
     again = run_entrypoint(_args(resume_data_dir, mount), mount.parent)
     assert again.returncode == 0, again.stderr[-3000:]
