@@ -76,7 +76,7 @@ def mnist_info(data_dir=None, idx_dir=None):
 def image_shape_and_classes(info=None):
     """What a model of this data is built for, from tfds's DatasetInfo: the image shape (height, width, channels)
     and the number of classes. Without `info`, mnist's builder gives them without any data."""
-    info = info or tfds.builder("mnist").info
+    info = tfds.builder("mnist").info if info is None else info
     return info.features["image"].shape, info.features["label"].num_classes
 
 
