@@ -40,10 +40,6 @@ class ClusterNotFormed(Exception):
     138): a restart usually finds the worker there or the port free (docs/clusters.md, "Start-up")."""
 
 
-# MNIST's images (height, width, channels) and classes: what prepare_mnist.py checks and model.py is built for.
-IMAGE_SHAPE = (28, 28, 1)
-NUM_CLASSES = 10
-
 STRATEGIES = ("mirrored", "multiworker", "default")
 # What srun sets for each task of a job step, and TensorFlow's SlurmClusterResolver reads.
 SLURM_STEP_VARS = ("SLURM_PROCID", "SLURM_STEP_NUM_TASKS", "SLURM_STEP_NODELIST", "SLURM_STEP_TASKS_PER_NODE")

@@ -96,12 +96,19 @@ def mnist_info(data_dir=None, idx_dir=None):
         raise _unreadable(data_dir or builder.data_dir, type(err).__name__) from None
 
 
+def image_shape_and_classes(info=None):
+    """What a model of this data is built for, from tfds's DatasetInfo: the image shape (height, width, channels)
+    and the number of classes. Without `info`, mnist's builder gives them without any data."""
+    info = tfds.builder("mnist").info if info is None else info
+    return info.features["image"].shape, info.features["label"].num_classes
+
+
 def resident_split(info, split):
     """One split of the prepared tfds dataset as two in-memory tensors, in tfds's record order.
 
     tfds's own reader parses one example at a time (about 5 CPU-seconds for the 60,000 training images here);
     reading its record files in vectorised batches and decoding with tfds's image feature in parallel costs a
-    third of that. Returns images (N, 28, 28, 1) uint8 and labels (N,) int64, as `tfds.load(...,
+    third of that. Returns images (N, height, width, channels) uint8 and labels (N,) int64, as `tfds.load(...,
     as_supervised=True)` yields them.
     """
     serialized = info.features.get_serialized_info()

@@ -8,8 +8,6 @@ this one line.
 import tensorflow as tf
 import tf_keras as keras
 
-from config import IMAGE_SHAPE, NUM_CLASSES
-
 MIXED_POLICY = "mixed_float16"  # float16 compute on GPUs' tensor cores, float32 weights
 
 
@@ -21,16 +19,18 @@ def use_mixed_precision():
     keras.mixed_precision.set_global_policy(MIXED_POLICY)
 
 
-def build_model():
+def build_model(image_shape, num_classes):
+    """The tutorial's CNN, for images of `image_shape` (height, width, channels) in `num_classes` classes: the
+    dataset's facts, from its DatasetInfo (data.image_shape_and_classes)."""
     return keras.Sequential([
-        keras.Input(shape=IMAGE_SHAPE),
+        keras.Input(shape=image_shape),
         keras.layers.Conv2D(32, 3, activation="relu"),
         keras.layers.MaxPooling2D(),
         keras.layers.Flatten(),
         keras.layers.Dense(64, activation="relu"),
         # float32 even under mixed precision, as Keras's guide says: the logits, the loss and the exported
         # model's outputs stay float32. Under the default float32 policy it changes nothing.
-        keras.layers.Dense(NUM_CLASSES, dtype="float32"),
+        keras.layers.Dense(num_classes, dtype="float32"),
     ])
 
 

@@ -18,7 +18,7 @@ import numpy as np
 import tensorflow_datasets as tfds
 from tensorflow_datasets.image_classification import mnist as tfds_mnist
 
-from config import EXIT_BAD_INPUT, EXIT_INTERRUPTED, EXIT_OK, EXIT_PREEMPTED, IMAGE_SHAPE, NUM_CLASSES, UsageError
+from config import EXIT_BAD_INPUT, EXIT_INTERRUPTED, EXIT_OK, EXIT_PREEMPTED, UsageError
 from machinery import scratch, sigterm, terminal, tf_private
 
 IDX_FILES = {
@@ -62,19 +62,23 @@ def read_idx(path, ndim):
     return np.frombuffer(raw, np.uint8, offset=header).reshape(dims)
 
 
-def read_split(idx_dir, split):
+def read_split(idx_dir, split, info):
+    """One split's images and labels, checked against mnist's DatasetInfo (`info`): its image size and classes."""
     images_name, labels_name = IDX_FILES[split]
     images = read_idx(_idx_path(idx_dir, images_name), 3)
     labels = read_idx(_idx_path(idx_dir, labels_name), 1)
-    if images.shape[1:] != IMAGE_SHAPE[:2]:
-        raise UsageError(f"{images_name} holds {images.shape[1]}x{images.shape[2]} images, not MNIST's 28x28")
+    height, width, _ = info.features["image"].shape
+    num_classes = info.features["label"].num_classes
+    if images.shape[1:] != (height, width):
+        raise UsageError(f"{images_name} holds {images.shape[1]}x{images.shape[2]} images, not MNIST's "
+                         f"{height}x{width}; replace it")
     if len(images) != len(labels):
         raise UsageError(f"{images_name} has {len(images)} images but {labels_name} has {len(labels)} labels; "
                          "use files from the same MNIST release")
     if len(images) == 0:
         raise UsageError(f"{images_name} holds no images; replace it with the real file")
-    if labels.max() >= NUM_CLASSES:
-        raise UsageError(f"{labels_name} has label {labels.max()}, MNIST's are 0-{NUM_CLASSES - 1}; replace it")
+    if labels.max() >= num_classes:
+        raise UsageError(f"{labels_name} has label {labels.max()}, MNIST's are 0-{num_classes - 1}; replace it")
     return images, labels
 
 
@@ -122,7 +126,7 @@ def prepare(idx_dir, data_dir=None, *, exist_ok=False):
     """
     if not os.path.isdir(idx_dir):
         raise UsageError(f"--idx-dir {idx_dir} is not a directory; point it at the folder with the MNIST IDX files")
-    splits = {split: read_split(idx_dir, split) for split in IDX_FILES}
+    splits = {split: read_split(idx_dir, split, tfds.builder("mnist").info) for split in IDX_FILES}
     root = data_dir or os.path.dirname(os.path.dirname(tfds.builder("mnist").data_dir))  # tfds's own default
     with _prepare_lock(root):
         # Made under the lock, so that it sees what a prepare that held the lock before wrote.

@@ -169,7 +169,8 @@ def run(cfg, preemption):
     learning_rate = callbacks.learning_rate(cfg, global_batch=global_batch, steps_per_epoch=plan.steps,
                                             step_offset=plan.step_offset)
     with strategy.scope():
-        model = compile_model(build_model(), steps_per_execution=cfg.steps_per_execution,
+        model = compile_model(build_model(*data.image_shape_and_classes(info)),
+                              steps_per_execution=cfg.steps_per_execution,
                               jit_compile=cfg.jit_compile, fused_adam=cfg.fused_adam, learning_rate=learning_rate,
                               worker_step_metrics=cfg.worker_step_metrics, allreduce_dtype=cfg.allreduce_dtype)
     # A backup this model or optimizer cannot continue is refused before training writes anything.

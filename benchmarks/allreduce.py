@@ -1,7 +1,7 @@
 """The multi-worker all-reduce alone: two workers on loopback, one core and one thread each, all-reducing a tensor
 again and again in a `tf.function`, as the gradients are all-reduced at every training step.
 
-    python benchmarks/allreduce.py                 # the model's 347,146 gradients in float32 and bfloat16, and 4 bytes
+    python benchmarks/allreduce.py                 # model.py's model's gradients in float32 and bfloat16, and 4 bytes
     python benchmarks/allreduce.py --repeats 50    # fewer, for a quick look
 
 For each case it prints the bytes of the tensor, and per all-reduce the wall milliseconds and the CPU
@@ -16,11 +16,9 @@ import statistics
 import sys
 import textwrap
 
-from projection import PARAMETERS  # the tutorial's CNN; benchmarks/ is this script's folder, first on sys.path
+from projection import model_facts  # benchmarks/ is this script's folder, first on sys.path
 from scaling import run_pinned  # which also puts the project on sys.path
 from config import EXIT_BAD_INPUT, EXIT_OK
-CASES = (("gradients, float32", PARAMETERS, "float32"), ("gradients, bfloat16", PARAMETERS, "bfloat16"),
-         ("4 bytes, float32", 1, "float32"))
 TIMEOUT_S = 600
 
 # Runs in each worker: prints {case: [(wall s, CPU s) per round]} as JSON.
@@ -71,9 +69,12 @@ def main(argv=None):
     if args.repeats < 1 or args.rounds < 1:
         print("error: --repeats and --rounds must be at least 1; e.g. --repeats 100 --rounds 3", file=sys.stderr)
         return EXIT_BAD_INPUT
-    results = measure(CASES, args.repeats, args.rounds)
+    parameters = model_facts()[0]  # one gradient each, in the model model.py builds
+    cases = (("gradients, float32", parameters, "float32"), ("gradients, bfloat16", parameters, "bfloat16"),
+             ("4 bytes, float32", 1, "float32"))
+    results = measure(cases, args.repeats, args.rounds)
     print(f"{'all-reduce of':<20} {'bytes':>10} {'wall ms':>8} {'CPU ms, worker 0 / 1':>22}")
-    for name, size, dtype in CASES:
+    for name, size, dtype in cases:
         bytes_ = size * (4 if dtype == "float32" else 2)
         figures = results[name]
         print(f"{name:<20} {bytes_:>10,} {figures['wall_ms']:>8.2f} "

@@ -11,7 +11,8 @@ The model. Each of N workers runs one replica with per-replica batch b; a synchr
     t(N) = t_compute + [N > 1] * (t_fixed + 2(N-1)·α + 2(N-1)/N · S/B)
 
 - t_compute: one replica's step, the forward and backward pass and the update (what one replica measures);
-- 2(N-1)·α + 2(N-1)/N · S/B: a ring all-reduce of the S = 1.39 MB of float32 gradients, 2(N-1) steps of one hop's
+- 2(N-1)·α + 2(N-1)/N · S/B: a ring all-reduce of the S bytes of float32 gradients (4 for each parameter of the
+  model model.py builds; 1.39 MB for the tutorial's model), 2(N-1) steps of one hop's
   latency α each, and 2(N-1)/N · S bytes through each worker's link of bandwidth B (the formula NVIDIA's
   nccl-tests use to define "bus bandwidth", doc/PERFORMANCE.md);
 - t_fixed: what else a worker of several pays per step and one replica does not (the collective's launch, waiting
@@ -22,8 +23,8 @@ The efficiency is t_compute / t(N): N workers' images/s over N times one replica
 
 The fit. Two measured points (one replica, two workers) fix two free terms: t_compute = the 1-replica step, and
 t_fixed = the 2-worker step minus t_compute minus the all-reduce's two terms at N = 2. The all-reduce's α and B
-come from a separate measurement: two pinned one-thread workers all-reducing over loopback, 0.75 ms for a 4-byte
-tensor and 2.9 ms for the 1.39 MB gradients (docs/history.md). The rest of the 2.9 ms is the bytes' time
+come from a separate measurement (benchmarks/allreduce.py): two pinned one-thread workers all-reducing over
+loopback, 0.75 ms for a 4-byte tensor and 2.9 ms for the tutorial model's 1.39 MB of gradients (docs/history.md). The rest of the 2.9 ms is the bytes' time
 (B = 0.65 GB/s). Two measured points cannot tell how the 4-byte time splits into per-hop latency and a launch paid
 once, so both ends are projected: all of it 2 hops of latency (α = 0.375 ms, the line), or all of it launch, in
 t_fixed (α then the network's alone; the top of the band). On a network, the gRPC transport's CPU cost per byte and
@@ -31,11 +32,15 @@ the link's overlap, so the slower of the two decides the bytes' time, and the ne
 
 GPUs with NCCL use published figures instead (cited in docs/history.md): the bus bandwidth and the per-hop
 latency of NCCL's ring across nodes; their compute time is an assumption (no GPU was lent), given as a range.
+
+The step times listed below were measured on the tutorial's model. For a model of your own, measure it
+(benchmarks/scaling.py) and pass --scaling: the gradients' size always comes from the model model.py builds.
 """
 
 import argparse
 import dataclasses
 import datetime
+import functools
 import json
 import os
 import sys
@@ -45,17 +50,16 @@ sys.path.insert(0, ROOT)
 
 from config import EXIT_BAD_INPUT, EXIT_OK, UsageError  # noqa: E402  (config imports nothing heavy)
 
-PARAMETERS = 347_146  # the tutorial's model: Conv2D(32, 3) 320, Dense(64) 346,176, Dense(10) 650
-GRADIENT_BYTES = PARAMETERS * 4  # float32: 1,388,584 bytes
 WORKERS = (1, 2, 4, 8, 64, 512)  # the table's columns; the picture draws every power of two up to the last
 OUTPUT = os.path.join(ROOT, "docs", "scaling_projection.png")
 
 # TensorFlow's ring over gRPC between two pinned one-thread workers on loopback, nothing else running
 # (the 2-core x86-64 VM, docs/history.md "Where a two-worker step goes").
 GRPC_TINY_ALLREDUCE_S = 0.75e-3  # a 4-byte all-reduce: no bytes to speak of, so latency and launch only
-GRPC_GRADIENTS_ALLREDUCE_S = 2.9e-3  # the 1.39 MB gradients
+GRPC_GRADIENTS_ALLREDUCE_S = 2.9e-3  # the tutorial's model's gradients...
+GRPC_GRADIENTS_BYTES = 1_388_584  # ...which are these bytes: its 347,146 parameters in float32
 GRPC_HOP_LATENCY_S = GRPC_TINY_ALLREDUCE_S / 2  # 2(N-1) = 2 hops at N = 2
-GRPC_BYTES_PER_S = GRADIENT_BYTES / (GRPC_GRADIENTS_ALLREDUCE_S - GRPC_TINY_ALLREDUCE_S)  # 2(N-1)/N = 1 at N = 2
+GRPC_BYTES_PER_S = GRPC_GRADIENTS_BYTES / (GRPC_GRADIENTS_ALLREDUCE_S - GRPC_TINY_ALLREDUCE_S)  # 2(N-1)/N = 1 at N = 2
 NETWORK_HOP_LATENCY_S = 20e-6  # assumed: one TCP hop through a data-centre switch, a few tens of microseconds
 NETWORKS = {"10 Gb/s": 10e9 / 8, "100 Gb/s": 100e9 / 8}  # link bandwidth, bytes/s
 
@@ -65,18 +69,43 @@ NETWORKS = {"10 Gb/s": 10e9 / 8, "100 Gb/s": 100e9 / 8}  # link bandwidth, bytes
 # 2(40-1) hops, 4.4 us a hop.
 NCCL_BUS_BYTES_PER_S = 192e9
 NCCL_HOP_LATENCY_S = 4.4e-6
-# Assumed, not measured: one GPU's step for this model at batch 64 or 256. Its 3.3 MFLOP an image (forward and
-# backward) are 0.2-0.8 GFLOP a step, well under 0.1 ms on a data-centre GPU, so the step is TensorFlow's own
+# Assumed, not measured: one GPU's step for the tutorial's model at batch 64 or 256. Its 3.3 MFLOP an image (forward
+# and backward) are 0.2-0.8 GFLOP a step, well under 0.1 ms on a data-centre GPU, so the step is TensorFlow's own
 # per-step cost (launching some 50 kernels, the executor, the input), which no figure here pins down.
 GPU_STEP_S = {"low": 0.5e-3, "central": 1e-3, "high": 2e-3}
 
-# What benchmarks/scaling.py measured (medians of train_images_per_s over 2 rounds, 2 epochs a run, tracing and
+# What benchmarks/scaling.py measured on the tutorial's model (medians of train_images_per_s over 2 rounds, 2 epochs a run, tracing and
 # callbacks included): per-replica batch -> (1 replica, 2 workers) images/s.
 MEASURED = (
     {"where": "2-core AMD EPYC VM (family 26)", "when": "scaling.py, 2 rounds", "batches": {64: (10_012, 8_966)}},
     {"where": "2-core x86-64 VM", "when": "scaling.py, 2 rounds",
      "batches": {64: (3_682, 5_271), 256: (3_672, 6_182)}},
 )
+
+
+def built_model():
+    """The model model.py builds, as the run builds it: for the image shape and classes tfds's DatasetInfo gives."""
+    import train_mnist_mirrored  # noqa: F401  (sets TensorFlow's environment, as a run does)
+    from machinery import terminal
+
+    terminal.start_tensorflow(verbose=False)  # its start-up notices held back, as in a run
+    import data
+    import model
+
+    return model.build_model(*data.image_shape_and_classes())
+
+
+@functools.lru_cache(maxsize=None)
+def model_facts():
+    """(parameters, the bytes of their float32 gradients, [(layer, parameters)] of the layers that have any) of
+    the model model.py builds."""
+    net = built_model()
+    layers = [(type(layer).__name__, layer.count_params()) for layer in net.layers if layer.count_params()]
+    return net.count_params(), 4 * net.count_params(), layers
+
+
+def gradient_bytes():
+    return model_facts()[1]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,7 +127,7 @@ class Step:
             return self.compute_s
         hops = 2 * (workers - 1)
         return (self.compute_s + self.fixed_s + hops * self.link.hop_latency_s
-                + hops / workers * GRADIENT_BYTES / self.link.bytes_per_s)
+                + hops / workers * gradient_bytes() / self.link.bytes_per_s)
 
     def efficiency(self, workers):
         return self.compute_s / self.seconds(workers)
@@ -181,6 +210,12 @@ def all_workers():
     return [2 ** k for k in range(WORKERS[-1].bit_length())]
 
 
+def print_model():
+    parameters, bytes_, layers = model_facts()
+    print(f"model.py's model: {parameters:,} parameters ({', '.join(f'{name} {count:,}' for name, count in layers)}), "
+          f"so {bytes_:,} bytes of float32 gradients all-reduced a step")
+
+
 def print_fit(measured):
     print("fitted terms (ms): one replica's step = t_compute; 2 workers' = t_compute + t_fixed + the all-reduce's")
     for where, when, batch, one_s, two_s in measured_steps(measured):
@@ -261,8 +296,8 @@ def draw(rows, measured, path):
         legend.update(zip(*reversed(ax.get_legend_handles_labels())))
     labels = list(legend)
     fig.legend([legend[label] for label in labels], labels, loc="lower center", fontsize=8, frameon=False)
-    fig.suptitle("The tutorial's model projected (CPU workers: TensorFlow's gRPC ring; dots: measured; "
-                 "bands: docs/history.md)",
+    fig.suptitle(f"model.py's model, {model_facts()[0]:,} parameters, projected (CPU workers: TensorFlow's gRPC "
+                 "ring; dots: measured; bands: docs/history.md)",
                  fontsize=9)
     fig.tight_layout(rect=(0, 0.045 * len(labels) + 0.02, 1, 1))
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
@@ -279,6 +314,7 @@ def main(argv=None):
     args = parser.parse_args(argv)
     try:
         measured = [read_scaling(args.scaling, args.where)] if args.scaling else MEASURED
+        print_model()
         print_fit(measured)
         rows = scenarios(measured)
     except UsageError as err:

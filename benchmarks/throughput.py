@@ -39,7 +39,7 @@ import tensorflow as tf  # noqa: E402
 import callbacks  # noqa: E402
 import data  # noqa: E402
 from machinery import outputs  # noqa: E402
-from config import EXIT_BAD_INPUT, EXIT_OK, IMAGE_SHAPE, Config, UsageError  # noqa: E402
+from config import EXIT_BAD_INPUT, EXIT_OK, Config, UsageError  # noqa: E402
 from model import build_model, compile_model, keras  # noqa: E402
 
 RESULT_MARK = "BENCH "
@@ -105,7 +105,7 @@ def tutorial_round(datasets, info, cfg, strategy, epochs, work_dir):
     global_batch = cfg.batch_size_per_replica * strategy.num_replicas_in_sync
     train, _ = data.tutorial_datasets(datasets, buffer_size=cfg.buffer_size, global_batch=global_batch)
     with strategy.scope():
-        model = compile_model(build_model())
+        model = compile_model(build_model(*data.image_shape_and_classes(info)))
     schedule = keras.callbacks.LearningRateScheduler(lambda e: callbacks.decay(e, cfg.lr_boundaries, cfg.lr_values))
     cbs = [keras.callbacks.TensorBoard(log_dir=os.path.join(work_dir, "logs")),
            keras.callbacks.ModelCheckpoint(os.path.join(work_dir, "ckpt_{epoch}"), save_weights_only=True),
@@ -133,11 +133,11 @@ def project_round(data_dir, epochs, options):
 
 def resident_batches(arrays, global_batch, steps=None):
     """The first `steps` full batches (all of them by default) of the resident split `arrays`, scaled, in the
-    split's order: images (steps, batch, 28, 28, 1) and labels (steps, batch)."""
+    split's order: images (steps, batch, height, width, channels) and labels (steps, batch)."""
     full = int(arrays[0].shape[0]) // global_batch
     full = min(full, steps) if steps else full
     images, labels = data.scale(*arrays)
-    return (tf.reshape(images[:full * global_batch], (full, global_batch, *IMAGE_SHAPE)),
+    return (tf.reshape(images[:full * global_batch], (full, global_batch, *arrays[0].shape[1:])),
             tf.reshape(labels[:full * global_batch], (full, global_batch)))
 
 
@@ -152,9 +152,10 @@ def ceiling_loop(strategy, model, images, labels):
 
 
 def built_model(strategy, cfg, **compile_args):
+    image_shape, num_classes = data.image_shape_and_classes()
     with strategy.scope():
-        model = compile_model(build_model(), fused_adam=cfg.fused_adam, **compile_args)
-        model.build((None, *IMAGE_SHAPE))
+        model = compile_model(build_model(image_shape, num_classes), fused_adam=cfg.fused_adam, **compile_args)
+        model.build((None, *image_shape))
     return model
 
 

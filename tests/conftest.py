@@ -77,16 +77,24 @@ def write_idx_dir(directory, arrays):
 
 
 def make_images(labels, rng):
-    """Each class is a distinct bright 7x7 block on a 4x4 grid of positions, over faint noise."""
-    images = rng.integers(0, 40, size=(len(labels), 28, 28), dtype=np.uint8)
+    """Each class is a distinct bright block on a 4x4 grid of positions (7x7 pixels in MNIST's 28x28), over
+    faint noise."""
+    import data  # TensorFlow loads with it, so only once data is made
+
+    (height, width, _), _ = data.image_shape_and_classes()
+    rows, cols = height // 4, width // 4
+    images = rng.integers(0, 40, size=(len(labels), height, width), dtype=np.uint8)
     for i, label in enumerate(labels):
         row, col = divmod(int(label), 4)
-        images[i, row * 7:(row + 1) * 7, col * 7:(col + 1) * 7] = rng.integers(200, 256, size=(7, 7))
+        images[i, row * rows:(row + 1) * rows, col * cols:(col + 1) * cols] = rng.integers(200, 256, size=(rows, cols))
     return images
 
 
 def make_split(n, rng):
-    labels = rng.permutation(np.arange(n) % 10).astype(np.uint8)
+    import data
+
+    _, num_classes = data.image_shape_and_classes()
+    labels = rng.permutation(np.arange(n) % num_classes).astype(np.uint8)
     return make_images(labels, rng), labels
 
 

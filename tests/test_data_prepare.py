@@ -15,9 +15,11 @@ import prepare_mnist
 from conftest import (IDX_NAMES, NUM_TEST, NUM_TRAIN, idx_images_bytes, idx_labels_bytes, subprocess_env,
                       write_gz, write_idx_dir)
 
+IMAGE_SHAPE, NUM_CLASSES = data.image_shape_and_classes()  # what tfds's DatasetInfo says mnist holds
+
 
 def as_set(images, labels):
-    return sorted((int(label), np.asarray(image, np.uint8).reshape(28, 28).tobytes())
+    return sorted((int(label), np.asarray(image, np.uint8).reshape(IMAGE_SHAPE[:2]).tobytes())
                   for image, label in zip(images, labels))
 
 
@@ -31,7 +33,7 @@ def test_prepared_dir_reads_back_exactly_what_was_written(data_dir, mnist_arrays
         images, labels = mnist_arrays[split]
         read = list(tfds.as_numpy(datasets[split]))
         assert len(read) == len(labels)
-        assert all(image.shape == (28, 28, 1) and image.dtype == np.uint8 for image, _ in read)
+        assert all(image.shape == IMAGE_SHAPE and image.dtype == np.uint8 for image, _ in read)
         assert as_set([i for i, _ in read], [l for _, l in read]) == as_set(images, labels)
 
 
@@ -40,7 +42,7 @@ def test_data_load_uses_the_prepared_dir(data_dir):
     datasets = data.tfds_datasets(data_dir)
     assert info.splits["train"].num_examples == NUM_TRAIN
     image, label = next(iter(datasets["test"]))
-    assert tuple(image.shape) == (28, 28, 1)
+    assert tuple(image.shape) == IMAGE_SHAPE
     assert 0 <= int(label) < 10
 
 
@@ -103,7 +105,7 @@ def _empty_raw(d, arrays):
 def _truncated(d, arrays):
     images, _ = arrays["train"]
     payload = idx_images_bytes(images)
-    write_gz(d / _gz("train", "images"), payload[: len(payload) - 28 * 28 * 5])  # header still says 320
+    write_gz(d / _gz("train", "images"), payload[: len(payload) - int(np.prod(IMAGE_SHAPE)) * 5])  # header still says 320
     return ["train-images-idx3-ubyte", "truncated"]
 
 
@@ -133,16 +135,23 @@ def _truncated_gzip(d, arrays):
     return ["t10k-images-idx3-ubyte", "cannot be read"]
 
 
+def _wrong_image_size(d, arrays):
+    images, _ = arrays["train"]
+    height, width, _ = IMAGE_SHAPE
+    write_gz(d / _gz("train", "images"), idx_images_bytes(np.pad(images, ((0, 0), (0, 1), (0, 2)))))
+    return ["train-images-idx3-ubyte", f"{height + 1}x{width + 2} images", f"not MNIST's {height}x{width}"]
+
+
 def _label_out_of_range(d, arrays):
     _, labels = arrays["test"]
     labels = labels.copy()
-    labels[3] = 10
+    labels[3] = NUM_CLASSES
     write_gz(d / _gz("test", "labels"), idx_labels_bytes(labels))
-    return ["t10k-labels-idx1-ubyte", "label 10"]
+    return ["t10k-labels-idx1-ubyte", f"label {NUM_CLASSES}", f"0-{NUM_CLASSES - 1}"]
 
 
 @pytest.mark.parametrize("corrupt", [_missing, _empty, _empty_raw, _truncated, _count_mismatch, _swapped,
-                                     _not_gzip, _truncated_gzip, _label_out_of_range],
+                                     _not_gzip, _truncated_gzip, _wrong_image_size, _label_out_of_range],
                          ids=lambda f: f.__name__.strip("_"))
 def test_prepare_refuses_bad_idx_input(corrupt, idx_dir, mnist_arrays, tmp_path, capsys):
     bad = _copy_good(idx_dir, tmp_path)

@@ -106,17 +106,18 @@ UPDATE_SCRIPT = textwrap.dedent("""
 
     strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
     keras.utils.set_random_seed(1)
+    image_shape, num_classes = data.image_shape_and_classes()  # from tfds's DatasetInfo
     rng = np.random.default_rng(0)
-    images = tf.constant(rng.integers(0, 256, (17, 28, 28, 1), dtype=np.uint8))
-    labels = tf.constant(rng.integers(0, 10, 17), tf.int64)
+    images = tf.constant(rng.integers(0, 256, (17, *image_shape), dtype=np.uint8))
+    labels = tf.constant(rng.integers(0, num_classes, 17), tf.int64)
     with strategy.scope():
-        initial = build_model().get_weights()
+        initial = build_model(image_shape, num_classes).get_weights()
     out = {"initial": [w.tolist() for w in initial]}
     for replicas in (2, 1):  # 1: not padded, so the last batch of one example leaves the second replica empty
         stream = data.step_batches(images, labels, data.Stream(num_examples=17, global_batch=8, buffer_size=8, seed=3,
                                                                epochs=2), pad_to=replicas if replicas > 1 else None)
         with strategy.scope():
-            model = build_model()
+            model = build_model(image_shape, num_classes)
             model.set_weights(initial)
             model.compile(optimizer=keras.optimizers.SGD(0.5),
                           loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))

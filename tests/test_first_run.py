@@ -71,9 +71,10 @@ def test_help_says_what_an_unset_option_means_never_default_none(capsys):
 def test_learning_rate_prints_as_the_float32_it_is(rate, shown, capsys):
     """The optimizer holds a float32; printed as a Python float it read 0.0010000000474974513."""
     import callbacks
+    import data
     import model
 
-    net = model.compile_model(model.build_model(), learning_rate=rate)
+    net = model.compile_model(model.build_model(*data.image_shape_and_classes()), learning_rate=rate)
     printer = callbacks.PrintLR()
     printer.set_model(net)
     printer.on_epoch_end(0)

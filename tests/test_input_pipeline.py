@@ -31,9 +31,9 @@ def loaded(data_dir):
 
 @pytest.mark.parametrize("split, count", [("train", NUM_TRAIN), ("test", NUM_TEST)])
 def test_resident_split_is_tfds_load_in_the_same_order(loaded, split, count):
-    datasets, _, arrays = loaded
+    datasets, info, arrays = loaded
     images, labels = arrays[split]
-    assert images.dtype == tf.uint8 and tuple(images.shape) == (count, 28, 28, 1)
+    assert images.dtype == tf.uint8 and tuple(images.shape) == (count, *info.features["image"].shape)
     assert labels.dtype == tf.int64 and tuple(labels.shape) == (count,)
     expected = list(tfds.as_numpy(datasets[split]))
     np.testing.assert_array_equal(images.numpy(), np.stack([image for image, _ in expected]))
@@ -162,9 +162,10 @@ IN_STEP_SCRIPT = textwrap.dedent("""
     import data
     from model import build_model, keras
 
+    image_shape, num_classes = data.image_shape_and_classes()  # from tfds's DatasetInfo
     rng = np.random.default_rng(0)
-    images = tf.constant(rng.integers(0, 256, (17, 28, 28, 1), dtype=np.uint8))
-    labels = tf.constant(rng.integers(0, 10, 17), tf.int64)
+    images = tf.constant(rng.integers(0, 256, (17, *image_shape), dtype=np.uint8))
+    labels = tf.constant(rng.integers(0, num_classes, 17), tf.int64)
     stream = data.Stream(num_examples=17, global_batch=8, buffer_size=8, seed=3, epochs=2)
     out = {}
     for devices in (["/cpu:0"], ["/cpu:0", "/cpu:1"]):
@@ -172,10 +173,10 @@ IN_STEP_SCRIPT = textwrap.dedent("""
         replicas = len(devices)
         keras.utils.set_random_seed(1)
         with strategy.scope():
-            initial = build_model().get_weights()
+            initial = build_model(image_shape, num_classes).get_weights()
         for path in ("batches", "in_step"):
             with strategy.scope():
-                model = build_model()
+                model = build_model(image_shape, num_classes)
                 model.set_weights(initial)
                 model.compile(optimizer=keras.optimizers.SGD(0.5),
                               loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))

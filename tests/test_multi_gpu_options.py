@@ -10,6 +10,7 @@ import pytest
 import tensorflow as tf
 
 import callbacks
+import data
 import model
 from machinery import resume
 from config import Config
@@ -84,13 +85,14 @@ def test_scaled_decay_without_warmup_starts_scaled():
 STEPS = 5
 GLOBAL_BATCH = 128  # twice the tutorial's: --scale-lr doubles every rate
 WARMUP = Config(scale_lr=True, warmup_epochs=2, epochs=4)
+IMAGE_SHAPE, NUM_CLASSES = data.image_shape_and_classes()  # from tfds's DatasetInfo
 
 
 @pytest.fixture(scope="module")
 def batches():
     rng = np.random.default_rng(3)
-    x = rng.random((STEPS * GLOBAL_BATCH, 28, 28, 1), dtype=np.float32)
-    y = rng.integers(0, 10, len(x))
+    x = rng.random((STEPS * GLOBAL_BATCH, *IMAGE_SHAPE), dtype=np.float32)
+    y = rng.integers(0, NUM_CLASSES, len(x))
     # The same STEPS batches every epoch, so a resumed epoch sees what the uninterrupted one saw.
     return tf.data.Dataset.from_tensor_slices((x, y)).batch(GLOBAL_BATCH).repeat()
 
@@ -98,13 +100,13 @@ def batches():
 @pytest.fixture(scope="module")
 def initial_weights():
     keras.utils.set_random_seed(5)
-    return model.build_model().get_weights()
+    return model.build_model(IMAGE_SHAPE, NUM_CLASSES).get_weights()
 
 
 def _train(batches, initial, output_dir, *, epochs, steps_per_execution):
     """The project's own compile and callbacks (BackupAndRestore included) on a fresh model and optimizer,
     from the position in the backup, as the entrypoint starts."""
-    net = model.build_model()
+    net = model.build_model(IMAGE_SHAPE, NUM_CLASSES)
     net.set_weights(initial)
     settings = resume.Settings.of(WARMUP, num_examples=STEPS * GLOBAL_BATCH, global_batch=GLOBAL_BATCH)
     plan = resume.start(str(output_dir / "backup"), settings, epochs=epochs, overwrite=False)
@@ -151,7 +153,7 @@ def test_warmup_continues_across_a_resume(batches, initial_weights, tmp_path, ca
 def test_mixed_precision_scales_the_loss_around_the_fused_adam(batches):
     try:
         model.use_mixed_precision()
-        net = model.build_model()
+        net = model.build_model(IMAGE_SHAPE, NUM_CLASSES)
         schedule = callbacks.ScaledDecay(TUTORIAL.lr_boundaries, TUTORIAL.lr_values, STEPS, scale=2.0, warmup_steps=0)
         model.compile_model(net, fused_adam=True, learning_rate=schedule)
         net.fit(batches, epochs=1, steps_per_epoch=2, verbose=0)
@@ -227,7 +229,7 @@ def test_mixed_precision_saved_model_serves_float32(options_run, mnist_arrays):
     assert out_spec.dtype == tf.float32
     images = mnist_arrays["test"][0][:8, ..., None].astype(np.float32) / 255.0
     (logits,) = serve(**{next(iter(serve.structured_input_signature[1])): tf.constant(images)}).values()
-    assert logits.dtype == tf.float32 and logits.shape == (8, 10) and np.all(np.isfinite(logits.numpy()))
+    assert logits.dtype == tf.float32 and logits.shape == (8, NUM_CLASSES) and np.all(np.isfinite(logits.numpy()))
     # It was trained and exported in mixed precision: float16 compute inside, float32 at the end.
     reloaded = keras.models.load_model(saved, compile=False)
     assert reloaded.layers[0].dtype_policy.name == "mixed_float16"

@@ -21,6 +21,7 @@ ONE_STEP_SCRIPT = textwrap.dedent("""
     import numpy as np
     import tensorflow as tf
     from config import Config
+    from data import image_shape_and_classes
     from model import build_model, keras
     from train_mnist_mirrored import make_strategy
 
@@ -33,15 +34,16 @@ ONE_STEP_SCRIPT = textwrap.dedent("""
     assert type(two_by["reduce-to-one"].extended._cross_device_ops).__name__ == "ReductionToOneDevice"
     assert type(two_by["hierarchical-copy"].extended._cross_device_ops).__name__ == "HierarchicalCopyAllReduce"
 
+    image_shape, num_classes = image_shape_and_classes()  # from tfds's DatasetInfo
     rng = np.random.default_rng(0)
-    x = rng.random((32, 28, 28, 1), dtype=np.float32)
-    y = rng.integers(0, 10, 32)
+    x = rng.random((32, *image_shape), dtype=np.float32)
+    y = rng.integers(0, num_classes, 32)
     keras.utils.set_random_seed(0)
-    initial = build_model().get_weights()
+    initial = build_model(image_shape, num_classes).get_weights()
 
     def one_step(strategy, optimizer, learning_rate):
         with strategy.scope():
-            model = build_model()
+            model = build_model(image_shape, num_classes)
             model.set_weights(initial)
             model.compile(optimizer=optimizer(learning_rate),
                           loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))

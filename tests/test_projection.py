@@ -1,6 +1,7 @@
 """The scaling projection, on the figures measured so far: its fit gives back the measured 1- and 2-worker steps,
 its efficiencies behave as a data-parallel step's must, and its command line prints the table and draws the
-picture, from its own figures or from a benchmarks/scaling.py results file. No TensorFlow: it is arithmetic."""
+picture, from its own figures or from a benchmarks/scaling.py results file. It builds model.py's model for the size of
+its gradients; the rest is arithmetic."""
 
 import json
 import os
@@ -34,7 +35,19 @@ def test_the_measured_figures_are_the_ones_docs_quote():
     assert steps[("AMD", 64)] == (6.4, 14.3)
     assert steps[("x86-64", 64)] == (17.4, 24.3)
     assert steps[("x86-64", 256)] == (69.7, 82.8)
-    assert projection.GRADIENT_BYTES == 1_388_584
+    # The all-reduce measured beside them moved the tutorial's model's gradients: 347,146 float32.
+    assert projection.GRPC_GRADIENTS_BYTES == 4 * 347_146
+
+
+def test_the_gradients_are_the_built_models_parameters_in_float32():
+    import data
+    import model
+
+    net = model.build_model(*data.image_shape_and_classes())
+    parameters, gradient_bytes, layers = projection.model_facts()
+    assert parameters == net.count_params() == sum(count for _, count in layers)
+    assert gradient_bytes == projection.gradient_bytes() == 4 * net.count_params()
+    assert [name for name, _ in layers] == [type(layer).__name__ for layer in net.layers if layer.weights]
 
 
 @pytest.mark.parametrize("as_launch", [False, True])
@@ -48,7 +61,7 @@ def test_fit_gives_back_the_measured_steps(as_launch):
 
 def test_fit_refuses_a_two_worker_step_faster_than_the_allreduce_allows():
     with pytest.raises(projection.UsageError, match="all-reduce"):
-        projection.fit(10e-3, 11e-3)  # 1 ms more than one replica, less than the 2.9 ms all-reduce
+        projection.fit(10e-3, 10.5e-3)  # 0.5 ms more than one replica, less than a 4-byte all-reduce's 0.75 ms
 
 
 def test_efficiency_is_one_alone_and_falls_with_workers():
@@ -102,6 +115,8 @@ def test_cli_prints_the_table_and_writes_the_picture(tmp_path):
     out = proc.stdout
     assert "per-replica batch 64" in out and "per-replica batch 256" in out
     assert all(f"N={n}" in out for n in projection.WORKERS)
+    parameters, gradient_bytes, _ = projection.model_facts()
+    assert f"model.py's model: {parameters:,} parameters" in out and f"{gradient_bytes:,} bytes" in out
     # The fit's check against what was measured, and the rows the docs quote.
     assert "1 replica 6.4, 2 workers 14.3" in out and "2-worker efficiency 0.45" in out
     epyc = next(line for line in out.splitlines() if line.startswith("CPU, 2-core AMD EPYC VM") and "10 Gb/s" in line)

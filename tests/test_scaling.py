@@ -58,7 +58,12 @@ def test_allreduce_benchmark_prints_each_case():
     rows = {line[:20].strip(): line[20:].split() for line in proc.stdout.splitlines()
             if line.startswith(("gradients", "4 bytes"))}
     assert set(rows) == {"gradients, float32", "gradients, bfloat16", "4 bytes, float32"}
-    assert rows["gradients, float32"][0] == "1,388,584" and rows["gradients, bfloat16"][0] == "694,292"
+    # One gradient for each parameter of the model model.py builds.
+    import data
+    import model
+
+    parameters = model.build_model(*data.image_shape_and_classes()).count_params()
+    assert rows["gradients, float32"][0] == f"{4 * parameters:,}" and rows["gradients, bfloat16"][0] == f"{2 * parameters:,}"
     assert all(float(row[1]) > 0 and float(row[2]) > 0 for row in rows.values())
 
 

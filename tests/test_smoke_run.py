@@ -12,10 +12,18 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+import data
 import export
 import model
 from conftest import (ROOT, SMOKE_BATCH, SMOKE_CPU_REPLICAS, SMOKE_EPOCHS, SMOKE_STEPS, NUM_TEST, NUM_TRAIN,
                       subprocess_env)
+
+IMAGE_SHAPE, NUM_CLASSES = data.image_shape_and_classes()  # from tfds's DatasetInfo
+
+
+def built_model():
+    """model.py's model, as the run builds it."""
+    return model.build_model(IMAGE_SHAPE, NUM_CLASSES)
 
 
 # ---------------------------------------------------------------- the run itself
@@ -54,9 +62,9 @@ def test_smoke_run_writes_checkpoint(smoke_ok):
     assert os.path.isfile(os.path.join(ckpt_dir, "checkpoint"))
     latest = tf.train.latest_checkpoint(ckpt_dir)
     assert latest is not None and latest.endswith("ckpt_1")
-    # The checkpoint holds the model's weights: the first conv kernel has the tutorial's shape.
-    shapes = dict(tf.train.list_variables(latest))
-    assert [3, 3, 1, 32] in shapes.values()
+    # The checkpoint holds the model's weights: each of its weights' shapes is there.
+    shapes = list(dict(tf.train.list_variables(latest)).values())
+    assert all(list(weight.shape) in shapes for weight in built_model().weights)
 
 
 def _scalars(log_dir):
@@ -115,12 +123,16 @@ def test_smoke_run_results_json(smoke_ok):
     acc = results["eval_accuracy_checkpoint"]
     assert results["eval_accuracy_unreplicated"] == acc
     assert results["eval_accuracy_replicated"] == acc
-    # The data is learnable (one bright block per class); even 3 steps beat chance (0.1) by far.
-    assert 0.5 < acc <= 1.0
+    assert 0.0 <= acc <= 1.0
     # results.json is also what the run printed, last before the summary for people.
     printed, end = json.JSONDecoder().raw_decode(smoke_ok.stdout, smoke_ok.stdout.rindex("\n{") + 1)
     assert printed == results
     assert smoke_ok.stdout[end:].lstrip().startswith("Summary")
+
+
+def test_smoke_run_trains_the_tutorial_model_past_chance(smoke_ok):
+    # The data is learnable (one bright block per class); 3 steps of the tutorial's model beat chance (0.1) by far.
+    assert 0.5 < smoke_ok.results["eval_accuracy_checkpoint"] <= 1.0
 
 
 def test_smoke_run_ends_with_a_summary_in_the_tutorials_step_order(smoke_ok):
@@ -134,10 +146,10 @@ def test_smoke_run_ends_with_a_summary_in_the_tutorials_step_order(smoke_ok):
     if SMOKE_CPU_REPLICAS:
         assert "CPU:0, CPU:1" in lines[1]
     assert f"{NUM_TRAIN:,} training and {NUM_TEST:,} test images" in lines[2]
-    # The tutorial's CNN: 26x26x32 convolutions, pooled to 13x13x32, then 64 and 10 units.
-    parameters = (3 * 3 * 32 + 32) + (13 * 13 * 32 * 64 + 64) + (64 * 10 + 10)
+    # The model the run built, named by where it comes from, whatever model.py builds.
+    parameters = built_model().count_params()
     assert results["parameters"] == parameters
-    assert f"the tutorial's CNN, {parameters:,} parameters, compiled in the strategy's scope" in lines[3]
+    assert f"build_model() of model.py, {parameters:,} parameters, compiled in the strategy's scope" in lines[3]
     assert f"of {SMOKE_EPOCHS} at {results['train_images_per_s']:,.0f} images/s, validated each epoch" in lines[4]
     accuracies = re.findall(r"test accuracy (\d\.\d{4})|(\d\.\d{4}) in the strategy's scope", summary)
     assert [float(a or b) for a, b in accuracies] == pytest.approx(
@@ -167,7 +179,7 @@ def test_validation_writes_a_validation_run_beside_train(smoke_ok, mnist_arrays)
     for tag, points in validation.items():
         assert [step for step, _ in points] == list(range(SMOKE_EPOCHS)), (tag, points)
     # The last epoch's validation figures are the test split's, for the weights the last checkpoint holds.
-    net = model.build_model()
+    net = built_model()
     net.load_weights(tf.train.latest_checkpoint(smoke_ok.path("training_checkpoints"))).expect_partial()
     images, labels = mnist_arrays["test"]
     logits = net.predict(images[..., None].astype(np.float32) / 255.0, verbose=0)
@@ -198,13 +210,13 @@ def test_images(mnist_arrays):
 
 @pytest.fixture(scope="module")
 def checkpoint_predictions(smoke_ok, test_images):
-    net = model.build_model()
+    net = built_model()
     net.load_weights(tf.train.latest_checkpoint(smoke_ok.path("training_checkpoints"))).expect_partial()
     return net.predict(test_images[0], verbose=0)
 
 
-def test_checkpoint_model_is_trained(checkpoint_predictions, test_images):
-    # Restored weights, not a fresh initialisation: they classify the learnable test images.
+def test_checkpoint_tutorial_model_is_trained(checkpoint_predictions, test_images):
+    # Restored weights, not a fresh initialisation: the tutorial's model classifies the learnable test images.
     accuracy = np.mean(np.argmax(checkpoint_predictions, axis=1) == test_images[1])
     assert accuracy > 0.5
 
@@ -239,7 +251,7 @@ def _predict_in_fresh_process(script, model_path, images, tmp_path):
 def test_saved_model_serves_same_predictions_without_project_code(smoke_ok, test_images, checkpoint_predictions,
                                                                   tmp_path):
     served = _predict_in_fresh_process(SERVE_SCRIPT, smoke_ok.path("saved_model"), test_images[0], tmp_path)
-    assert served.shape == checkpoint_predictions.shape == (len(test_images[0]), 10)
+    assert served.shape == checkpoint_predictions.shape == (len(test_images[0]), NUM_CLASSES)
     np.testing.assert_allclose(served, checkpoint_predictions, atol=1e-5, rtol=0)
 
 
@@ -264,7 +276,7 @@ def test_model_keras_loads_in_keras_3_and_predicts_like_the_checkpoint(smoke_ok,
     assert sorted(os.listdir(smoke_ok.output_dir)) == [
         "logs", "model.keras", "results.json", "saved_model", "training_checkpoints"]
     predicted = _predict_in_fresh_process(KERAS3_SCRIPT, smoke_ok.path("model.keras"), test_images[0], tmp_path)
-    assert predicted.shape == checkpoint_predictions.shape == (len(test_images[0]), 10)
+    assert predicted.shape == checkpoint_predictions.shape == (len(test_images[0]), NUM_CLASSES)
     np.testing.assert_allclose(predicted, checkpoint_predictions, atol=1e-5, rtol=0)
 
 

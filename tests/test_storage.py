@@ -1,8 +1,9 @@
 """Storage faults: a full disk gives one line and exit 2, and the same command resumes once there is room; a
 damaged latest backup resumes from the one before it, and a backup with no whole checkpoint is refused untouched.
 
-One run fills a 10 MB tmpfs (root only) at its third backup (each is 4 MB; two are kept), so it leaves a backup of
-two checkpoints: copies of it, damaged, serve the other tests.
+One run fills a tmpfs (root only) at its third backup (two are kept): sized from the model, room for two and a half
+backups (10 MB for the tutorial's model, whose backups are 4 MB each). It leaves a backup of two checkpoints: copies
+of it, damaged, serve the other tests.
 """
 
 import errno
@@ -22,8 +23,17 @@ BATCH = 32
 EVERY = 10  # steps between backups: 320 images
 ARGS = ["--epochs", str(EPOCHS), "--batch-size-per-replica", str(BATCH), "--steps-per-execution", "5",
         "--backup-every-steps", str(EVERY)]
-TMPFS_SIZE = "10m"  # room for two backups of 4 MB, not for a third
-ROOMY_SIZE = "64m"  # room for the whole run
+FULL_BACKUPS = 2.5  # the tmpfs's room, in backups: two are kept, and the third finds no room
+ROOMY_BACKUPS = 16  # room for the whole run: backups, checkpoints and exports (64 MB for the tutorial's model)
+ROOMY_BYTES = 64 * 2 ** 20  # at least: the exports and logs of a small model take more than its backups
+
+
+def _backup_bytes():
+    """About what one backup of model.py's model takes: its weights and Adam's two slots for each, float32."""
+    import data
+    import model
+
+    return 3 * 4 * model.build_model(*data.image_shape_and_classes()).count_params()
 
 
 def _mount(directory, size):
@@ -60,9 +70,9 @@ def _every_image_once(output_dir):
 
 @pytest.fixture(scope="module")
 def full_disk(tmp_path_factory, resume_data_dir):
-    """The run on a full disk, its output dir (the tmpfs, still 10 MB), and two copies of what it left."""
+    """The run on a full disk, its output dir (the tmpfs, still as small), and two copies of what it left."""
     base = tmp_path_factory.mktemp("storage")
-    mount = _mount(base / "tmpfs", TMPFS_SIZE)
+    mount = _mount(base / "tmpfs", int(FULL_BACKUPS * _backup_bytes()))
     try:
         run = run_entrypoint(_args(resume_data_dir, mount), base)
         copies = {name: shutil.copytree(mount, base / name) for name in ("latest_damaged", "all_damaged")}
@@ -83,7 +93,8 @@ def test_a_full_disk_says_so_in_one_line_and_the_same_command_resumes_with_room(
     # Two backups were written before the third found no room; both are whole.
     assert backed_up_images(str(mount / "backup")) == 2 * EVERY * BATCH
 
-    subprocess.run(["mount", "-o", f"remount,size={ROOMY_SIZE}", str(mount)], check=True, timeout=60)
+    roomy = max(ROOMY_BYTES, ROOMY_BACKUPS * _backup_bytes())
+    subprocess.run(["mount", "-o", f"remount,size={roomy}", str(mount)], check=True, timeout=60)
     again = run_entrypoint(_args(resume_data_dir, mount), mount.parent)
     assert again.returncode == 0, again.stderr[-3000:]
     assert "Resuming from the backup" in again.stdout

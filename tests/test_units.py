@@ -39,8 +39,13 @@ def test_scale_maps_uint8_to_unit_float32():
 
 # ---------------------------------------------------------------- model
 
-def test_model_layer_shapes_and_parameter_count():
-    net = model.build_model()
+def test_image_shape_and_classes_are_mnists_from_tfds():
+    image_shape, num_classes = data.image_shape_and_classes()
+    assert image_shape == (28, 28, 1) and num_classes == 10
+
+
+def test_tutorial_model_layer_shapes_and_parameter_count():
+    net = model.build_model(*data.image_shape_and_classes())
     shapes = [tuple(layer.output_shape) for layer in net.layers]
     assert shapes == [(None, 26, 26, 32), (None, 13, 13, 32), (None, 5408), (None, 64), (None, 10)]
 
@@ -50,10 +55,11 @@ def test_model_layer_shapes_and_parameter_count():
     assert net.count_params() == independent
 
 
-def test_model_outputs_logits_for_a_batch():
-    net = model.build_model()
-    out = net(np.zeros((3, 28, 28, 1), np.float32))
-    assert tuple(out.shape) == (3, 10)
+def test_model_outputs_float32_logits_for_a_batch():
+    image_shape, num_classes = data.image_shape_and_classes()
+    net = model.build_model(image_shape, num_classes)
+    out = net(np.zeros((3, *image_shape), np.float32))
+    assert tuple(out.shape) == (3, num_classes) and out.dtype == tf.float32
 
 
 def test_help_groups_every_option_by_concern(capsys):

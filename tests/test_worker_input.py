@@ -26,6 +26,7 @@ WORKER_SCRIPT = textwrap.dedent("""
         communication_options=tf.distribute.experimental.CommunicationOptions(
             implementation=tf.distribute.experimental.CommunicationImplementation.RING))
     keras.utils.set_random_seed(1)  # as the run does, before its data
+    image_shape, num_classes = data.image_shape_and_classes()  # from tfds's DatasetInfo
     rng = np.random.default_rng(0)
     PER_REPLICA = 4
     global_batch = PER_REPLICA * strategy.num_replicas_in_sync
@@ -33,8 +34,8 @@ WORKER_SCRIPT = textwrap.dedent("""
     # 19 examples end each epoch with a batch of 3 (shares of 2 and 1), 17 with a batch of 1 (1 and a padding
     # example: an empty share aborts TensorFlow's oneDNN MaxPoolGrad on some CPUs).
     for num_examples in (19, 17):
-        images = tf.constant(rng.integers(0, 256, (num_examples, 28, 28, 1), dtype=np.uint8))
-        labels = tf.constant(rng.integers(0, 10, num_examples), tf.int64)
+        images = tf.constant(rng.integers(0, 256, (num_examples, *image_shape), dtype=np.uint8))
+        labels = tf.constant(rng.integers(0, num_classes, num_examples), tf.int64)
         steps = data.steps_per_epoch(num_examples, global_batch)
         stream = data.Stream(num_examples=num_examples, global_batch=global_batch, buffer_size=8, seed=3, epochs=2)
         make_dataset = functools.partial(data.step_batches, images, labels, stream,
@@ -48,11 +49,11 @@ WORKER_SCRIPT = textwrap.dedent("""
             return [[local(part) for part in next(iterator)[1:]] for _ in range(2 * steps)]
 
         with strategy.scope():
-            initial = build_model().get_weights()
+            initial = build_model(image_shape, num_classes).get_weights()
         for name, distributed in paths.items():
             out[f"labels_{name}_{num_examples}"] = labels_seen(distributed)
             with strategy.scope():
-                model = build_model()
+                model = build_model(image_shape, num_classes)
                 model.set_weights(initial)
                 model.compile(optimizer=keras.optimizers.SGD(0.5),
                               loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
@@ -65,7 +66,7 @@ WORKER_SCRIPT = textwrap.dedent("""
     # The project's compile: the logs of an epoch's last step (what the progress bar and batch-level callbacks
     # show) against the epoch's own figures, which Keras recomputes from the metrics.
     with strategy.scope():
-        model = compile_model(build_model(), steps_per_execution=steps)
+        model = compile_model(build_model(image_shape, num_classes), steps_per_execution=steps)
     seen = []
     logs_seen = keras.callbacks.LambdaCallback(on_train_batch_end=lambda batch, logs: seen.append(dict(logs)))
     history = model.fit(paths["project"], epochs=1, steps_per_epoch=steps, verbose=0, callbacks=[logs_seen])
@@ -75,7 +76,7 @@ WORKER_SCRIPT = textwrap.dedent("""
     # all-reduce; the epoch's figures, and evaluation's, are still all workers'.
     evaluation = make_dataset(share=data.WHOLE)
     with strategy.scope():
-        local = compile_model(build_model(), steps_per_execution=steps, worker_step_metrics=True)
+        local = compile_model(build_model(image_shape, num_classes), steps_per_execution=steps, worker_step_metrics=True)
         local.set_weights(model.get_weights())
     out["evaluate_all"] = model.evaluate(evaluation, steps=steps, verbose=0)
     out["evaluate_worker"] = local.evaluate(evaluation, steps=steps, verbose=0)
