@@ -13,6 +13,14 @@ import os
 import sys
 import time
 
+# Wall-clock stamps (Unix time, as a benchmark outside the process reads its own clock) of where each of the run's
+# phases ends, in results.json: benchmarks/phases.py breaks the whole command down with them.
+PHASE_ENDS = {"interpreter": time.time()}
+
+
+def phase_done(name):
+    PHASE_ENDS[name] = time.time()
+
 # TensorFlow's C++ INFO and WARNING lines once it runs (input-pipeline notices); errors still show. This does
 # not reach the notices TensorFlow prints while it starts: see terminal.start_tensorflow.
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -134,10 +142,12 @@ def fit(cfg, model, train, test, *, plan, work_dir, preemption):
 
 def run(cfg, preemption):
     tf = terminal.start_tensorflow(cfg.verbose)
+    phase_done("tensorflow")
 
     # Step 1: the strategy.
     strategy = make_strategy(cfg, tf)
     print(f"Number of devices: {strategy.num_replicas_in_sync}")
+    phase_done("strategy")
 
     # Imported here rather than at the top, so that a bad flag is reported before TensorFlow loads, and after
     # the strategy, which (for multi-worker) must exist before anything else touches the runtime.
@@ -146,6 +156,7 @@ def run(cfg, preemption):
     import export
     from machinery import resume
     from model import build_model, compile_model, keras, use_mixed_precision
+    phase_done("libraries")
 
     keras.utils.set_random_seed(cfg.seed)
     if cfg.deterministic:
@@ -170,6 +181,8 @@ def run(cfg, preemption):
         replicas=strategy.num_replicas_in_sync))
     test = data.eval_dataset(*test_split, global_batch=global_batch)
 
+    phase_done("data")
+
     # Step 3: the model, compiled inside the strategy's scope.
     if cfg.mixed_precision:
         use_mixed_precision()
@@ -186,11 +199,13 @@ def run(cfg, preemption):
                               weighted=strategy.num_replicas_in_sync > 1)
 
     # Step 4: training, from the first image the backup had not trained.
+    phase_done("model")
     if plan.resumed_after_images:
         print(f"Resuming from the backup in {cfg.path(cfg.backup_dir)} at {plan.describe()}")
     timing, trained = (0.0, 0.0, []), plan.train_images(cfg.epochs)
     if trained:
         timing = fit(cfg, model, train, test, plan=plan, work_dir=work_dir, preemption=preemption)
+    phase_done("fit")
 
     # Step 5: the latest checkpoint, restored and evaluated. A non-chief that just trained skips the restore:
     # synchronous training left it the chief's weights, and the chief may still be writing that checkpoint.
@@ -199,17 +214,23 @@ def run(cfg, preemption):
         latest = tf.train.latest_checkpoint(cfg.path(cfg.checkpoint_dir))
         model.load_weights(latest).assert_existing_objects_matched().expect_partial()
     _, accuracy_checkpoint = model.evaluate(test)
+    phase_done("restore")
 
     # Step 6: export, reload without and with the strategy's scope, evaluate both; and the Keras 3 file.
     saved_model = os.path.join(work_dir, cfg.saved_model_dir)
     export.export(model, saved_model)
+    phase_done("saved_model")
     export.export_keras(model, os.path.join(work_dir, cfg.keras_model_file))
+    phase_done("keras_file")
     _, accuracy_unreplicated = export.reload(saved_model).evaluate(test)
+    phase_done("reload")
     _, accuracy_replicated = export.reload(saved_model, strategy).evaluate(test)
+    phase_done("reload_in_scope")
 
     figures = outputs.results(
         cfg, strategy, parameters=model.count_params(), global_batch=global_batch, plan=plan, train_images=trained,
-        timing=timing, accuracies=(accuracy_checkpoint, accuracy_unreplicated, accuracy_replicated))
+        timing=timing, accuracies=(accuracy_checkpoint, accuracy_unreplicated, accuracy_replicated),
+        phase_ends=PHASE_ENDS)
     preemption.finishing()
     outputs.finish(cfg, figures, is_chief=is_chief, work_dir=work_dir)
     print(json.dumps(figures, indent=2))
@@ -248,6 +269,7 @@ def outcome(args, preemption):
 
 
 def main(argv=None):
+    phase_done("imports")
     parser = config.build_parser("train_mnist_mirrored.py", __doc__)
     args = parser.parse_args(argv)
     # From here on SIGTERM saves and stops training at the next step boundary, or ends the run at once when
