@@ -29,6 +29,9 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 # then unmapped), a quarter of its CPU time; one replica took almost none, and is as fast either way
 # (docs/history.md, "Several workers"). Read when TensorFlow makes its first CPU device; a user's setting wins.
 os.environ.setdefault("TF_CPU_ALLOCATOR_USE_BFC", "true")
+# `tf.keras` is tf_keras, the Keras the run uses: TensorFlow then loads tf_keras's optimizers as it starts, and
+# not Keras 3's, which the run never uses (about 1 CPU-second less at each start; docs/performance.md).
+os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
 
 import config
 from machinery import gpu_box
@@ -126,12 +129,16 @@ def fit(cfg, model, train, test, *, plan, work_dir, preemption):
     seconds, the CPU seconds this process spent meanwhile (all its threads), and each epoch's wall seconds,
     which the benchmarks read."""
     import callbacks
+    from machinery import tf_private
 
     clock = callbacks.EpochClock()
     cbs = callbacks.make_callbacks(cfg, log_dir=os.path.join(work_dir, cfg.log_dir),
                                    checkpoint_dir=cfg.path(cfg.checkpoint_dir), backup_dir=cfg.path(cfg.backup_dir),
                                    plan=plan, preemption=preemption)
     start, start_cpu = time.perf_counter(), time.process_time()
+    # The optimizer's slots and the metrics' totals made now, which `fit` would make in its first step: the
+    # train step is traced once, not twice.
+    tf_private.create_step_variables(model)
     # The backup callback sets Keras's own counters to the plan's epoch and step; initial_epoch says the same.
     # With --validation, Keras evaluates the test split at each epoch's end; TensorBoard's callback writes
     # those figures to a `validation` run beside `train`.
