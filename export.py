@@ -6,6 +6,7 @@ Beside it goes `model.keras`, the file today's Keras 3 tutorial exports, for Ker
 import os
 import shutil
 
+from machinery import tf_private
 from model import compile_model, keras
 
 
@@ -50,9 +51,13 @@ def export_keras(model, path):
 def reload(path, strategy=None):
     """TF 2.0's `tf.keras.experimental.load_from_saved_model` is `keras.models.load_model` now.
 
-    Reloaded inside `strategy.scope()` when a strategy is given, then compiled as the tutorial does.
+    Reloaded inside `strategy.scope()` when a strategy is given, then compiled as the tutorial does. The metrics'
+    totals are made now, so that `evaluate` traces its step once, not twice.
     """
     if strategy is None:
-        return compile_model(keras.models.load_model(path, compile=False))
-    with strategy.scope():
-        return compile_model(keras.models.load_model(path, compile=False))
+        model = compile_model(keras.models.load_model(path, compile=False))
+    else:
+        with strategy.scope():
+            model = compile_model(keras.models.load_model(path, compile=False))
+    tf_private.create_step_variables(model)
+    return model

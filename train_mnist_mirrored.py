@@ -12,11 +12,23 @@ import os
 import sys
 import time
 
+# Wall-clock stamps (Unix time, as a benchmark outside the process reads its own clock) of where each of the run's
+# phases ends, in results.json: benchmarks/phases.py breaks the whole command down with them.
+PHASE_ENDS = {"interpreter": time.time()}
+
+
+def phase_done(name):
+    PHASE_ENDS[name] = time.time()
+
+
 # TensorFlow's CPU tensors from its own BFC allocator, which keeps freed memory for the next step, instead of
 # malloc. With malloc, a worker of a multi-worker run took about 6,000 fresh pages a step (zeroed by the kernel,
 # then unmapped), a quarter of its CPU time; one replica took almost none, and is as fast either way
 # (docs/history.md, "Several workers"). Read when TensorFlow makes its first CPU device; a user's setting wins.
 os.environ.setdefault("TF_CPU_ALLOCATOR_USE_BFC", "true")
+# `tf.keras` is tf_keras, the Keras the run uses: TensorFlow then loads tf_keras's optimizers as it starts, and
+# not Keras 3's, which the run never uses (about 1 CPU-second less at each start; docs/performance.md).
+os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
 
 import config
 from machinery import gpu_box
@@ -115,12 +127,16 @@ def fit(cfg, model, train, test, *, plan, work_dir, preemption):
     seconds, the CPU seconds this process spent meanwhile (all its threads), and each epoch's wall seconds,
     which the benchmarks read."""
     import callbacks
+    from machinery import tf_private
 
     clock = callbacks.EpochClock()
     cbs = callbacks.make_callbacks(cfg, log_dir=os.path.join(work_dir, cfg.log_dir),
                                    checkpoint_dir=cfg.path(cfg.checkpoint_dir), backup_dir=cfg.path(cfg.backup_dir),
                                    plan=plan, preemption=preemption)
     start, start_cpu = time.perf_counter(), time.process_time()
+    # The optimizer's slots and the metrics' totals made now, which `fit` would make in its first step: the
+    # train step is traced once, not twice.
+    tf_private.create_step_variables(model)
     # The backup callback sets Keras's own counters to the plan's epoch and step; initial_epoch says the same.
     # With --validation, Keras evaluates the test split at each epoch's end; TensorBoard's callback writes
     # those figures to a `validation` run beside `train`.
@@ -131,10 +147,12 @@ def fit(cfg, model, train, test, *, plan, work_dir, preemption):
 
 def run(cfg, preemption):
     tf = terminal.start_tensorflow(cfg.verbose)
+    phase_done("tensorflow")
 
     # Step 1: the strategy.
     strategy = make_strategy(cfg, tf)
     print(f"Number of devices: {strategy.num_replicas_in_sync}")
+    phase_done("strategy")
 
     # Imported here rather than at the top, so that a bad flag is reported before TensorFlow loads, and after
     # the strategy, which (for multi-worker) must exist before anything else touches the runtime.
@@ -143,6 +161,7 @@ def run(cfg, preemption):
     import export
     from machinery import resume
     from model import build_model, compile_model, keras, use_mixed_precision
+    phase_done("libraries")
 
     keras.utils.set_random_seed(cfg.seed)
     if cfg.deterministic:
@@ -163,6 +182,8 @@ def run(cfg, preemption):
     work_dir = outputs.clear_and_make_work_dir(cfg, is_chief)
     test = data.eval_dataset(*test_split, global_batch=global_batch)
 
+    phase_done("data")
+
     # Step 3: the model, compiled inside the strategy's scope.
     if cfg.mixed_precision:
         use_mixed_precision()
@@ -180,11 +201,13 @@ def run(cfg, preemption):
     train = data.training_input(strategy, model, train_split, plan.stream(cfg.epochs))
 
     # Step 4: training, from the first image the backup had not trained.
+    phase_done("model")
     if plan.resumed_after_images:
         print(f"Resuming from the backup in {cfg.path(cfg.backup_dir)} at {plan.describe()}")
     timing, trained = (0.0, 0.0, []), plan.train_images(cfg.epochs)
     if trained:
         timing = fit(cfg, model, train, test, plan=plan, work_dir=work_dir, preemption=preemption)
+    phase_done("fit")
 
     # Step 5: the latest checkpoint, restored and evaluated. A non-chief that just trained skips the restore:
     # synchronous training left it the chief's weights, and the chief may still be writing that checkpoint.
@@ -193,17 +216,23 @@ def run(cfg, preemption):
         latest = tf.train.latest_checkpoint(cfg.path(cfg.checkpoint_dir))
         model.load_weights(latest).assert_existing_objects_matched().expect_partial()
     _, accuracy_checkpoint = model.evaluate(test)
+    phase_done("restore")
 
     # Step 6: export, reload without and with the strategy's scope, evaluate both; and the Keras 3 file.
     saved_model = os.path.join(work_dir, cfg.saved_model_dir)
     export.export(model, saved_model)
+    phase_done("saved_model")
     export.export_keras(model, os.path.join(work_dir, cfg.keras_model_file))
+    phase_done("keras_file")
     _, accuracy_unreplicated = export.reload(saved_model).evaluate(test)
+    phase_done("reload")
     _, accuracy_replicated = export.reload(saved_model, strategy).evaluate(test)
+    phase_done("reload_in_scope")
 
     figures = outputs.results(
         cfg, strategy, parameters=model.count_params(), global_batch=global_batch, plan=plan, train_images=trained,
-        timing=timing, accuracies=(accuracy_checkpoint, accuracy_unreplicated, accuracy_replicated))
+        timing=timing, accuracies=(accuracy_checkpoint, accuracy_unreplicated, accuracy_replicated),
+        phase_ends=PHASE_ENDS)
     preemption.finishing()
     outputs.finish(cfg, figures, is_chief=is_chief, work_dir=work_dir)
     print(json.dumps(figures, indent=2))
@@ -244,6 +273,7 @@ def outcome(args, preemption):
 
 
 def main(argv=None):
+    phase_done("imports")
     parser = config.build_parser("train_mnist_mirrored.py", __doc__)
     args = parser.parse_args(argv)
     # From here on SIGTERM saves and stops training at the next step boundary, or ends the run at once when

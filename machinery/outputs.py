@@ -63,10 +63,11 @@ def peak_gpu_memory_mb(strategy):
     return {gpu: round(tf.config.experimental.get_memory_info(gpu)["peak"] / 2**20, 1) for gpu in gpus} or None
 
 
-def results(cfg, strategy, *, parameters, global_batch, plan, train_images, timing, accuracies):
+def results(cfg, strategy, *, parameters, global_batch, plan, train_images, timing, accuracies, phase_ends=None):
     """The figures of results.json; `plan` is where training started (resume.Plan), `timing` is `fit`'s wall and
     CPU seconds and each of its epochs' wall seconds, `accuracies` are the checkpoint's, the reloaded
-    SavedModel's, and the SavedModel's reloaded in the strategy's scope."""
+    SavedModel's, and the SavedModel's reloaded in the strategy's scope; `phase_ends` the Unix time at which each
+    of the run's phases so far ended, in order."""
     from callbacks import learning_rate_scale
 
     train_seconds, train_cpu_seconds, epoch_seconds = timing
@@ -100,6 +101,7 @@ def results(cfg, strategy, *, parameters, global_batch, plan, train_images, timi
         "allreduce_dtype": cfg.allreduce_dtype if cfg.strategy == "multiworker" else None,
         "mixed_precision": cfg.mixed_precision,
         "gpu_memory_growth": cfg.gpu_memory_growth,
+        "phase_ends": {name: round(stamp, 3) for name, stamp in (phase_ends or {}).items()},
     }
 
 

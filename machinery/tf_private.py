@@ -19,6 +19,8 @@ naming the versions and what changed when an upgrade moves it.
   room for.
 - The device-side pipelines of TensorFlow's multi-device iterator (data): `_create_device_dataset`.
 - tfds's builder, preparing without its two lines (prepare_mnist): `_log_download_bytes` and `_log_download_done`.
+- The variables Keras creates in a train step's first call (train_mnist_mirrored's fit, export.reload): a legacy
+  optimizer's `_create_all_weights`, the compiled loss's and metrics' `build`.
 """
 
 import errno
@@ -33,6 +35,25 @@ def build_optimizer(model):
     optimizer = model.optimizer
     if callable(getattr(optimizer, "build", None)) and not getattr(optimizer, "_built", False):
         optimizer.build(model.trainable_variables)
+
+
+def create_step_variables(model, *, labels_shape=(1,)):
+    """Creates now, in the model's strategy scope, the variables Keras would create in the first call of its train
+    or test function: the optimizer's slots and hyperparameters, the compiled loss's and metrics' totals. A
+    tf.function whose first call creates variables traces the step a second time, without creating them; made
+    beforehand, it traces the step once. `labels_shape` is one batch of labels (sparse: one per image), from
+    which Keras picks the accuracy's kind."""
+    import tensorflow as tf
+
+    with model.distribute_strategy.scope():
+        optimizer = model.optimizer
+        if optimizer is not None and hasattr(optimizer, "_create_all_weights"):  # the legacy ones (--fused-adam)
+            optimizer._create_all_weights(model.trainable_variables)
+        elif optimizer is not None:
+            build_optimizer(model)
+        outputs = tf.zeros((labels_shape[0], *model.output_shape[1:]))
+        model.compiled_loss.build(outputs)
+        model.compiled_metrics.build(outputs, tf.zeros(labels_shape))
 
 
 def worker_training_state(model, backup_dir, save_freq):

@@ -99,3 +99,28 @@ def test_step_cost_alternates_the_variants_in_one_process(tmp_path, data_dir):
         low, high = variant["ratio_range"]
         assert variant["ms_a_step"] > 0 and variant["cpu_ms_a_step"] > 0 and low <= variant["ratio_to_ceiling"] <= high
         assert f"{name:<26} {variant['ms_a_step']:>10.3f}" in proc.stdout
+
+
+@pytest.mark.slow
+def test_phases_breaks_the_whole_command_down(tmp_path, data_dir):
+    out = tmp_path / "phases.json"
+    proc = subprocess.run([sys.executable, "benchmarks/phases.py", "--data-dir", data_dir, "--epochs", "2",
+                           "--rounds", "1", "--output", str(out)], cwd=ROOT, env=subprocess_env(),
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    import phases
+
+    command = json.loads(out.read_text())["commands"]["command"]
+    seconds = command["phase_seconds"]
+    # Every phase is printed and measured, and together they are the whole command, from its start to its exit.
+    assert set(seconds) == set(phases.LABELS)
+    for phase, label in phases.LABELS.items():
+        assert label in proc.stdout and seconds[phase] >= 0
+    assert abs(sum(seconds.values()) - command["wall_seconds"]) < 0.05
+    assert seconds["first_epoch"] > 0 and seconds["later_epochs"] > 0 and command["cpu_seconds"] > 0
+    # The ratios are the command's seconds over the ceiling's for the same images (rounded to the millisecond in
+    # the file, so within 2 %), and its epochs' ratio.
+    ratio = command["wall_seconds"] / command["ceiling_seconds"]
+    assert abs(command["whole_over_ceiling"] - ratio) < 0.02 * ratio
+    assert command["first_over_later_epoch"] == round(seconds["first_epoch"] / seconds["later_epochs"], 3)
+    assert f"{command['whole_over_ceiling']:.3f}" in proc.stdout

@@ -48,6 +48,23 @@ def test_optimizer_built_flag():
     assert list(model.optimizer.variables) == slots, changed("a built optimizer is built again")
 
 
+@pytest.mark.parametrize("fused_adam", [True, False])
+def test_step_variables_made_beforehand_trace_each_step_once(fused_adam):
+    """The project's model and compile: with the variables of a step's first call made beforehand, `fit` and
+    `evaluate` trace their functions once; Keras would trace each twice (its first call creates them)."""
+    from model import build_model, compile_model
+
+    images, labels = tf.zeros((8, 28, 28, 1)), tf.zeros((8,), tf.int64)
+    model = compile_model(build_model(), steps_per_execution=2, fused_adam=fused_adam)
+    tf_private.create_step_variables(model)
+    model.fit(images, labels, batch_size=4, epochs=2, verbose=0)
+    model.evaluate(images, labels, batch_size=4, verbose=0)
+    assert model.train_tf_function.experimental_get_tracing_count() == 1, changed(
+        "the variables a train step creates are not all made by create_step_variables (traced twice)")
+    assert model.test_function.experimental_get_tracing_count() == 1, changed(
+        "the variables a test step creates are not all made by create_step_variables (traced twice)")
+
+
 def test_worker_training_state_and_its_counters(tmp_path):
     try:
         state = tf_private.worker_training_state(tiny_model(), str(tmp_path), 5)
