@@ -181,7 +181,6 @@ def run(cfg, preemption):
                         epochs=cfg.epochs, overwrite=cfg.overwrite)
     work_dir = outputs.clear_and_make_work_dir(cfg, is_chief)
     test = data.eval_dataset(*test_split, global_batch=global_batch)
-
     phase_done("data")
 
     # Step 3: the model, compiled inside the strategy's scope.
@@ -199,9 +198,9 @@ def run(cfg, preemption):
     # Step 2's training half, wired into the model: `fit` reads batches of indices from the first image the
     # backup had not trained, and each step gathers its images from the split resident on its device.
     train = data.training_input(strategy, model, train_split, plan.stream(cfg.epochs))
+    phase_done("model")
 
     # Step 4: training, from the first image the backup had not trained.
-    phase_done("model")
     if plan.resumed_after_images:
         print(f"Resuming from the backup in {cfg.path(cfg.backup_dir)} at {plan.describe()}")
     timing, trained = (0.0, 0.0, []), plan.train_images(cfg.epochs)
