@@ -10,6 +10,7 @@ import tf_keras as keras
 
 from config import IMAGE_SHAPE, NUM_CLASSES
 
+
 def use_mixed_precision(policy):
     """Keras's mixed-precision `policy` (config.Config.dtype_policy), set before the model is built (its layers take
     the global policy then): float32 weights, float16 or bfloat16 compute.
