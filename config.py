@@ -68,6 +68,8 @@ COMMUNICATIONS = ("auto", "ring", "nccl")
 STEP_METRICS = ("worker", "all")
 # The type the gradients travel in through the multi-worker all-reduce (model.all_reduce_in); float32 is theirs.
 ALLREDUCE_DTYPES = ("float32", "bfloat16", "float16")
+# The compute types of Keras's mixed-precision policies (mixed_float16, mixed_bfloat16); unset is float32's policy.
+MIXED_PRECISIONS = ("float16", "bfloat16")
 
 
 def _option(default, help_text, group, **extra):
@@ -118,7 +120,12 @@ class Config:
     warmup_epochs: int = _option(0, "with --scale-lr, ramp the learning rate per step from the unscaled to the scaled value over this many epochs", MULTI_GPU)
     cross_device_ops: typing.Optional[str] = _option(None, "MirroredStrategy's all-reduce; unset lets TensorFlow choose (NCCL between GPUs, reduce-to-one otherwise)", MULTI_GPU, choices=CROSS_DEVICE_OPS)
     communication: typing.Optional[str] = _option(None, "MultiWorkerMirroredStrategy's collective implementation; unset means auto", MULTI_GPU, choices=COMMUNICATIONS)
-    mixed_precision: bool = _option(False, "Keras's mixed_float16 policy (float16 compute, float32 weights, loss scaling); for GPUs, slow on CPUs", MULTI_GPU)
+    mixed_precision: typing.Optional[str] = _option(
+        None, "Keras's mixed precision, float32 weights either way: float16 (also the bare flag; mixed_float16, with "
+              "loss scaling) for GPUs' tensor cores, slow on CPUs; bfloat16 (mixed_bfloat16, no loss scaling) for "
+              "CPUs with AVX512_BF16 or AMX and GPUs from Ampere on, slow on other CPUs; unset (or "
+              "--no-mixed-precision): float32, the tutorial's (docs/performance.md, \"bfloat16\")",
+        MULTI_GPU, choices=MIXED_PRECISIONS, const="float16")
     gpu_memory_growth: bool = _option(False, "let TensorFlow take GPU memory as it needs it instead of nearly all at start (for GPUs shared with other jobs)", MULTI_GPU)
 
     seed: int = _option(42, "seed for Python, NumPy, TensorFlow and the shuffle", FAULTS)
@@ -165,6 +172,11 @@ class Config:
 
     def path(self, name):
         return os.path.join(self.output_dir, name)
+
+    @property
+    def dtype_policy(self):
+        """The name of the Keras policy the model is built under."""
+        return f"mixed_{self.mixed_precision}" if self.mixed_precision else "float32"
 
     @property
     def worker_step_metrics(self):
@@ -299,6 +311,14 @@ def build_parser(prog, description):
             group.add_argument(flag, action=argparse.BooleanOptionalAction, default=field.default, help=field.metadata["help"])
             continue
         base = typing.get_args(kind)[0] if typing.get_origin(kind) is typing.Union else kind
+        if "const" in field.metadata:
+            # A switch that became a choice: the bare flag still means `const`, and its --no- form (which its help
+            # names) the default.
+            group.add_argument(flag, nargs="?", const=field.metadata["const"], type=base, default=field.default,
+                               help=field.metadata["help"], choices=field.metadata.get("choices"))
+            group.add_argument("--no-" + flag[2:], dest=field.name, action="store_const", const=field.default,
+                               help=argparse.SUPPRESS)
+            continue
         group.add_argument(flag, type=base, default=field.default, help=field.metadata["help"],
                             choices=field.metadata.get("choices"))
     return parser

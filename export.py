@@ -3,8 +3,10 @@
 Beside it goes `model.keras`, the file today's Keras 3 tutorial exports, for Keras 3 users.
 """
 
+import json
 import os
 import shutil
+import zipfile
 
 from machinery import tf_private
 from model import compile_model, keras
@@ -45,7 +47,36 @@ def export_keras(model, path):
     plain = keras.models.clone_model(model)
     plain.set_weights(model.get_weights())
     plain.save(partial)
+    _name_the_policies(partial)
     os.replace(partial, path)
+
+
+# Inside a `.keras` file (a zip): the model's architecture, where each layer's `dtype` is its policy.
+KERAS_CONFIG = "config.json"
+
+
+def _policy_names(node):
+    """`node` with each serialized mixed-precision policy replaced by its name ("mixed_bfloat16")."""
+    if isinstance(node, list):
+        return [_policy_names(item) for item in node]
+    if not isinstance(node, dict):
+        return node
+    if node.get("class_name") == "Policy" and set(node.get("config", ())) == {"name"}:
+        return node["config"]["name"]
+    return {key: _policy_names(value) for key, value in node.items()}
+
+
+def _name_the_policies(path):
+    """tf_keras writes a mixed-precision policy as its class, `Policy` from `keras.mixed_precision`, which Keras 3's
+    loader does not find (it fails with "'str' object has no attribute 'quantization_mode'"); both read a
+    policy's name, as they read "float32" under the default policy. Rewrites the file's architecture so."""
+    with zipfile.ZipFile(path) as archive:
+        entries = {info: archive.read(info) for info in archive.infolist()}
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_DEFLATED) as archive:
+        for info, content in entries.items():
+            if info.filename == KERAS_CONFIG:
+                content = json.dumps(_policy_names(json.loads(content))).encode()
+            archive.writestr(info, content)
 
 
 def reload(path, strategy=None):

@@ -8,15 +8,15 @@ this one line.
 import tensorflow as tf
 import tf_keras as keras
 
-MIXED_POLICY = "mixed_float16"  # float16 compute on GPUs' tensor cores, float32 weights
 
+def use_mixed_precision(policy):
+    """Keras's mixed-precision `policy` (config.Config.dtype_policy), set before the model is built (its layers take
+    the global policy then): float32 weights, float16 or bfloat16 compute.
 
-def use_mixed_precision():
-    """Keras's mixed precision, set before the model is built (its layers take the global policy then).
-
-    `compile` then wraps the optimizer in a LossScaleOptimizer, so small float16 gradients do not vanish.
+    Under mixed_float16 `compile` then wraps the optimizer in a LossScaleOptimizer, so small float16 gradients do
+    not vanish; bfloat16 has float32's range and needs none.
     """
-    keras.mixed_precision.set_global_policy(MIXED_POLICY)
+    keras.mixed_precision.set_global_policy(policy)
 
 
 def build_model(image_shape, num_classes):

@@ -185,7 +185,7 @@ def run(cfg, preemption):
 
     # Step 3: the model, compiled inside the strategy's scope.
     if cfg.mixed_precision:
-        use_mixed_precision()
+        use_mixed_precision(cfg.dtype_policy)
     learning_rate = callbacks.learning_rate(cfg, global_batch=global_batch, steps_per_epoch=plan.steps,
                                             step_offset=plan.step_offset)
     with strategy.scope():

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU check: the default run on 1 GPU with and without --mixed-precision, then on every GPU (or, where the
+# The GPU check: the default run on 1 GPU in float32, float16 and bfloat16, then on every GPU (or, where the
 # machine has one, on 2 logical GPUs carved from it) with each of the nccl and hierarchical-copy all-reduces.
 # Prints one table: images/s of `fit`, test accuracy of the restored checkpoint, and TensorFlow's peak GPU
 # memory per GPU (results.json's peak_gpu_memory_mb), with each run's status.
@@ -10,7 +10,7 @@
 #
 # Before anything else it makes the entrypoint's GPU check (machinery/gpu_box.py): GPUs that TensorFlow cannot use stop it.
 # Options: --epochs N (3), --output-dir DIR (a new temporary folder; kept, with each run's log),
-# --run-timeout SECONDS (100 a run, so that four runs and the prepare stay under 8 minutes).
+# --run-timeout SECONDS (100 a run, so that five runs and the prepare stay under 10 minutes).
 # A run that fails or times out is a row of the table saying so; the check goes on with the next.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -68,7 +68,8 @@ sys.exit(train_mnist_mirrored.main(sys.argv[1:]))'
 
 # name | how to start the entrypoint | its flags
 RUNS=("1 GPU|python train_mnist_mirrored.py|--devices /gpu:0"
-      "1 GPU, --mixed-precision|python train_mnist_mirrored.py|--devices /gpu:0 --mixed-precision")
+      "1 GPU, --mixed-precision|python train_mnist_mirrored.py|--devices /gpu:0 --mixed-precision"
+      "1 GPU, --mixed-precision bfloat16|python train_mnist_mirrored.py|--devices /gpu:0 --mixed-precision bfloat16")
 if [ "$GPUS" -ge 2 ]; then
   ALL="all $GPUS GPUs"
   START="python train_mnist_mirrored.py"

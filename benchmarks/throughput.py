@@ -2,6 +2,7 @@
 
     python benchmarks/throughput.py --idx-dir ../shared/datasets/mnist      # or --data-dir DIR (prepared)
     python benchmarks/throughput.py --data-dir DIR --quick                  # 3 epochs, 2 rounds
+    python benchmarks/throughput.py --idx-dir DIR --variants project,bfloat16 --rounds 3   # float32 and bfloat16
 
 Each round runs, each in a fresh process (as a real run is): the tutorial's code exactly as it writes it, the
 project's default run (`train_mnist_mirrored.py` itself, into a temporary --output-dir, its figures read from
@@ -9,7 +10,9 @@ its results.json), any `--variants` (the same command with other options), and t
 a pipeline trains a fresh model `--epochs` full epochs with `fit`; its time is the wall time of `fit`, first
 epoch, tracing and callbacks included. The ceiling is the same train step looping inside one tf.function over
 batches already in memory: no input pipeline, no callbacks, no per-step Python, tracing excluded. The headline
-is the project's median over rounds divided by the ceiling's median. Beside it, with two epochs or more, each
+is the project's median over rounds divided by the ceiling's median; each variant is also set against the project
+(`--variants project,bfloat16`: bfloat16 against float32), in both rates and in test accuracy (the restored
+checkpoint's, from results.json). Beside it, with two epochs or more, each
 pipeline's rate over its epochs after the first against the ceiling's, and its fixed cost: the seconds a round
 spends beyond its epochs at that rate (tracing, the first execution, the end of `fit`), which decide a short
 round on a fast core.
@@ -48,7 +51,7 @@ PROC_CPUINFO = "/proc/cpuinfo"
 STEAL_COLUMN = 7
 QUICK = {"epochs": 3, "rounds": 2}
 RATES = ("images_per_s", "images_per_cpu_s")  # wall time (what a user waits for), CPU time (what steal does not blur)
-BASELINES = ("ceiling", "tutorial")
+BASELINES = ("ceiling", "tutorial", "project")
 
 ENTRYPOINT = os.path.join(ROOT, "train_mnist_mirrored.py")
 # Each variant is the project's default run with other options: one speed default undone, or one more tried.
@@ -58,6 +61,8 @@ VARIANTS = {
     "keras_adam": ["--no-fused-adam"],
     "jit_compile": ["--jit-compile"],
     "strategy_default": ["--strategy", "default"],
+    # Keras's mixed_bfloat16 policy: faster where the CPU computes bfloat16 (AVX512_BF16, AMX), slower elsewhere.
+    "bfloat16": ["--mixed-precision", "bfloat16"],
 }
 
 
@@ -119,7 +124,7 @@ def tutorial_round(datasets, info, cfg, strategy, epochs, work_dir):
 
 def project_round(data_dir, epochs, options):
     """The project's own run, `train_mnist_mirrored.py` with `options`, in a fresh process: `fit`'s figures from
-    its results.json."""
+    its results.json, and the test accuracy of its restored checkpoint."""
     with tempfile.TemporaryDirectory(prefix="mnist-bench-run-") as output_dir:
         proc = subprocess.run([sys.executable, ENTRYPOINT, "--data-dir", data_dir, "--epochs", str(epochs),
                                "--output-dir", output_dir, *options], capture_output=True, text=True)
@@ -128,7 +133,7 @@ def project_round(data_dir, epochs, options):
         with open(os.path.join(output_dir, Config().results_file)) as f:
             figures = json.load(f)
     return (figures["train_images"], figures["train_seconds"], figures["train_cpu_seconds"],
-            figures["train_epoch_seconds"])
+            figures["train_epoch_seconds"]), figures["eval_accuracy_checkpoint"]
 
 
 def resident_batches(arrays, global_batch, steps=None):
@@ -203,7 +208,8 @@ def run_one(name, data_dir, epochs):
     """Runs one round in a fresh process; its figures plus the machine's steal share while it ran."""
     before = _cpu_ticks()
     if name in VARIANTS:
-        figures = rates(*project_round(data_dir, epochs, VARIANTS[name]))
+        timing, accuracy = project_round(data_dir, epochs, VARIANTS[name])
+        figures = {**rates(*timing), "test_accuracy": accuracy}
     else:
         proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--data-dir", data_dir, "--epochs",
                                str(epochs), "--one", name], capture_output=True, text=True)
@@ -220,7 +226,8 @@ def run_one(name, data_dir, epochs):
 
 def _describe(figures):
     steal = "" if figures["steal_percent"] is None else f"   steal {figures['steal_percent']:4.1f} %"
-    return f"{figures['images_per_s']:8.0f} images/s {figures['images_per_cpu_s']:8.0f} images/CPU-s{steal}"
+    accuracy = f"   test accuracy {figures['test_accuracy']:.4f}" if "test_accuracy" in figures else ""
+    return f"{figures['images_per_s']:8.0f} images/s {figures['images_per_cpu_s']:8.0f} images/CPU-s{steal}{accuracy}"
 
 
 # ---------------------------------------------------------------- summary
@@ -238,6 +245,11 @@ def summarize(rounds, args):
             prefix = "" if key == "images_per_s" else "cpu_"
             results[f"{prefix}ratio_to_{baseline}"] = {name: round(m / medians[baseline], 3) for name, m in medians.items()}
     results["steal_percent"] = {name: [r["steal_percent"] for r in measured] for name, measured in rounds.items()}
+    # The project's runs and its variants' (the baselines do not evaluate).
+    accuracies = {name: [r["test_accuracy"] for r in measured] for name, measured in rounds.items()
+                  if "test_accuracy" in measured[0]}
+    results["test_accuracy"] = accuracies
+    results["median_test_accuracy"] = {name: round(statistics.median(values), 4) for name, values in accuracies.items()}
     if args.epochs > 1:  # the split needs epochs after the first
         steady = {name: statistics.median(r["steady_images_per_s"] for r in measured) for name, measured in rounds.items()}
         results["median_steady_images_per_s"] = {name: round(rate, 1) for name, rate in steady.items()}
@@ -249,7 +261,7 @@ def summarize(rounds, args):
 def print_table(results):
     split = "steady_ratio_to_ceiling" in results
     print(f"\n{'pipeline':<22} {'images/s':>9} {'x ceiling':>10} {'x tutorial':>11} {'images/CPU-s':>13} "
-          f"{'x ceiling':>10} {'steal %':>8}" + (f" {'later epochs x ceiling':>23} {'fixed s':>8}" if split else ""))
+          f"{'x ceiling':>10} {'steal %':>8} {'test acc':>9}" + (f" {'later epochs x ceiling':>23} {'fixed s':>8}" if split else ""))
     for name, wall in results["median_images_per_s"].items():
         steal = [s for s in results["steal_percent"][name] if s is not None]
         later = (f" {results['steady_ratio_to_ceiling'][name]:>23.3f} {statistics.median(results['fixed_seconds'][name]):>8.2f}"
@@ -257,13 +269,25 @@ def print_table(results):
         print(f"{name:<22} {wall:>9.0f} {results['ratio_to_ceiling'][name]:>10.3f} "
               f"{results['ratio_to_tutorial'][name]:>11.2f} {results['median_images_per_cpu_s'][name]:>13.0f} "
               f"{results['cpu_ratio_to_ceiling'][name]:>10.3f} "
-              f"{statistics.median(steal) if steal else float('nan'):>8.1f}" + later)
+              f"{statistics.median(steal) if steal else float('nan'):>8.1f} "
+              f"{results['median_test_accuracy'].get(name, float('nan')):>9.4f}" + later)
+    for name in results["median_test_accuracy"]:
+        if name != "project":
+            print(against_project(results, name))
     print(f"\nproject: {results['ratio_to_ceiling']['project']:.3f} of the compute ceiling "
           f"(median of {results['rounds']} rounds, {results['epochs_per_round']} epochs each, first epoch included)")
     if split:
         print(f"project's epochs after the first: {results['steady_ratio_to_ceiling']['project']:.3f} of the ceiling's; "
               f"its fixed cost: {statistics.median(results['fixed_seconds']['project']):.2f} s a run (tracing, the first "
               f"execution, the end of fit), which the ceiling, timed after its warm-up, does not pay")
+
+
+def against_project(results, name):
+    """One line: the variant `name`'s rates and test accuracy against the project's (medians over rounds)."""
+    accuracy, project = results["median_test_accuracy"][name], results["median_test_accuracy"]["project"]
+    return (f"{name} against project: {results['ratio_to_project'][name]:.3f}x images/s, "
+            f"{results['cpu_ratio_to_project'][name]:.3f}x images/CPU-s; test accuracy {accuracy:.4f} against "
+            f"{project:.4f} ({100 * (accuracy - project):+.2f} points)")
 
 
 def add_data_source(parser):

@@ -99,7 +99,7 @@ def results(cfg, strategy, *, parameters, global_batch, plan, train_images, timi
         "communication": cfg.communication or "default",
         "step_metrics": (cfg.step_metrics or "worker") if cfg.strategy == "multiworker" else None,
         "allreduce_dtype": cfg.allreduce_dtype if cfg.strategy == "multiworker" else None,
-        "mixed_precision": cfg.mixed_precision,
+        "dtype_policy": cfg.dtype_policy,  # Keras's: float32, mixed_float16 or mixed_bfloat16
         "gpu_memory_growth": cfg.gpu_memory_growth,
         "phase_ends": {name: round(stamp, 3) for name, stamp in (phase_ends or {}).items()},
     }

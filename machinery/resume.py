@@ -211,7 +211,8 @@ def refuse_another_model(cfg, plan, model):
     """Raises UsageError, one line naming what differs and the ways out, when the backup `plan` resumes from holds
     another model (its variables' names or shapes) or another optimizer than this run's `model` and --fused-adam:
     its restore would fail on the first variable that differs. Checked before training, so the backup is left as
-    it was. (Loss scaling is no such change: --mixed-precision on or off resumes, its loss scale starting afresh.)"""
+    it was. (The precision policy is no such change: the weights and Adam's slots are float32 under each, and
+    --mixed-precision float16's loss scale, kept beside them, starts afresh when the backup has none.)"""
     if plan.checkpoint is None:
         return
     backup_dir = cfg.path(cfg.backup_dir)

@@ -102,7 +102,8 @@ def summary(cfg, results, *, num_train, num_test, is_chief, resumed=None):
         f"on {', '.join(map(short_device, results['devices']))}",
         f"  2. data      MNIST: {num_train:,} training and {num_test:,} test images, global batch "
         f"{results['global_batch_size']}, {results['steps_per_epoch']} steps an epoch",
-        f"  3. model     build_model() of model.py, {results['parameters']:,} parameters, compiled in the strategy's scope",
+        f"  3. model     build_model() of model.py, {results['parameters']:,} parameters, compiled in the strategy's scope"
+        + ("" if results["dtype_policy"] == "float32" else f", {results['dtype_policy']}"),
         f"  4. training  {trained_line(results, resumed)}{validation}; tensorboard --logdir {cfg.path(cfg.log_dir)}",
         f"  5. restore   latest checkpoint in {cfg.path(cfg.checkpoint_dir)}: "
         f"test accuracy {results['eval_accuracy_checkpoint']:.4f}",

@@ -1,8 +1,10 @@
 """A backup the command cannot continue (another model, another optimizer) is refused in one line, exit 2, naming
-what differs and both ways out, and the output folder, backup included, is left byte for byte as it was. The
-backup is a real one: a run of the entrypoint pre-empted inside its second epoch."""
+what differs and both ways out, and the output folder, backup included, is left byte for byte as it was; one
+that another precision policy can continue resumes. The backup is a real one: a run of the entrypoint pre-empted
+inside its second epoch."""
 
 import hashlib
+import json
 import os
 import pathlib
 import shutil
@@ -100,3 +102,17 @@ def test_a_backup_the_command_cannot_continue_is_refused_and_kept(program, extra
         word = word.format(top=_layers_with_weights())  # the added layer's place: after model.py's own
         assert word in lines[0], (word, lines[0])
     assert _contents(output_dir) == before
+
+
+@pytest.mark.slow
+def test_a_backup_resumes_under_another_precision_policy(preempted, tmp_path, resume_data_dir):
+    # The weights and Adam's slots are float32 under every policy: a float32 backup resumes in bfloat16.
+    output_dir = str(tmp_path / "out")
+    shutil.copytree(preempted, output_dir)
+    proc = subprocess.run([sys.executable, "train_mnist_mirrored.py",
+                           *_args(resume_data_dir, output_dir, "--mixed-precision", "bfloat16")],
+                          cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    with open(os.path.join(output_dir, "results.json")) as f:
+        results = json.load(f)
+    assert results["dtype_policy"] == "mixed_bfloat16" and results["resumed_from_step"] > 0

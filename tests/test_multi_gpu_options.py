@@ -1,6 +1,6 @@
 """What a multi-GPU box needs, run on CPUs: the scaled and warmed-up learning rate (arithmetic, across a resume,
-through the whole entrypoint), mixed precision (loss scaling, float32 outputs and serving signature), and the
-all-reduce choice recorded. The one-step comparison of the all-reduces is in test_multireplica.py."""
+through the whole entrypoint), mixed precision in float16 and bfloat16 (loss scaling or none, the bare flag's
+meaning, float32 outputs and serving signature, the Keras 3 file), and the all-reduce choice recorded. The one-step comparison of the all-reduces is in test_multireplica.py."""
 
 import json
 import os
@@ -11,12 +11,13 @@ import tensorflow as tf
 
 import callbacks
 import data
+import config
 import model
 from machinery import resume
 from config import Config
 from conftest import SMOKE_CPU_REPLICAS, run_entrypoint, smoke_args
 from model import keras
-from test_smoke_run import _scalars
+from test_smoke_run import KERAS3_SCRIPT, _predict_in_fresh_process, _scalars
 
 TUTORIAL = Config()
 
@@ -150,9 +151,22 @@ def test_warmup_continues_across_a_resume(batches, initial_weights, tmp_path, ca
 
 # ---------------------------------------------------------------- mixed precision
 
+@pytest.mark.parametrize("flags, policy", [
+    ([], "float32"),
+    (["--mixed-precision"], "mixed_float16"),  # the bare flag, as before it took a value
+    (["--mixed-precision", "float16"], "mixed_float16"),
+    (["--mixed-precision", "bfloat16"], "mixed_bfloat16"),
+    (["--mixed-precision", "bfloat16", "--no-mixed-precision"], "float32"),
+    (["--mixed-precision", "--epochs", "3"], "mixed_float16"),  # the next flag is not taken for its value
+])
+def test_the_bare_mixed_precision_flag_still_means_float16(flags, policy):
+    parser = config.build_parser("train_mnist_mirrored.py", "")
+    assert config.validate(config.from_args(parser.parse_args(flags))).dtype_policy == policy
+
+
 def test_mixed_precision_scales_the_loss_around_the_fused_adam(batches):
     try:
-        model.use_mixed_precision()
+        model.use_mixed_precision("mixed_float16")
         net = model.build_model(IMAGE_SHAPE, NUM_CLASSES)
         schedule = callbacks.ScaledDecay(TUTORIAL.lr_boundaries, TUTORIAL.lr_values, STEPS, scale=2.0, warmup_steps=0)
         model.compile_model(net, fused_adam=True, learning_rate=schedule)
@@ -169,6 +183,21 @@ def test_mixed_precision_scales_the_loss_around_the_fused_adam(batches):
     # ...and the learning rate is still read through the wrapper.
     assert int(net.optimizer.iterations) == 2
     assert callbacks.applied_learning_rate(net.optimizer) == pytest.approx(2e-3, rel=1e-6)
+
+
+def test_bfloat16_computes_in_bfloat16_and_scales_no_loss(batches):
+    try:
+        model.use_mixed_precision("mixed_bfloat16")
+        net = model.compile_model(model.build_model(), fused_adam=True)
+        net.fit(batches, epochs=1, steps_per_epoch=2, verbose=0)
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+    # bfloat16 has float32's exponent range: the fused Adam is not wrapped, and updates float32 weights...
+    assert isinstance(net.optimizer, keras.optimizers.legacy.Adam) and int(net.optimizer.iterations) == 2
+    assert all(weight.dtype == tf.float32 for weight in net.weights)
+    # ...from bfloat16 compute, with float32 logits.
+    assert net.layers[0].compute_dtype == "bfloat16" and net.layers[-1].compute_dtype == "float32"
+    assert net.output.dtype == tf.float32
 
 
 # ---------------------------------------------------------------- the whole entrypoint, every option at once
@@ -198,7 +227,7 @@ def test_options_run_records_its_choices(options_run):
     assert results["global_batch_size"] == RUN_BATCH * results["replicas"]
     assert results["learning_rate_scale"] == results["global_batch_size"] / 64
     assert results["warmup_epochs"] == 1
-    assert results["mixed_precision"] is True and results["gpu_memory_growth"] is True
+    assert results["dtype_policy"] == "mixed_float16" and results["gpu_memory_growth"] is True  # the bare flag
     assert results["cross_device_ops"] == ("hierarchical-copy" if SMOKE_CPU_REPLICAS else "default")
     assert results["communication"] == "default"
     assert results["eval_accuracy_checkpoint"] == results["eval_accuracy_unreplicated"] == results["eval_accuracy_replicated"]
@@ -218,9 +247,29 @@ def test_options_run_prints_and_logs_the_rate_really_used(options_run):
     assert scalars["epoch_lr"] == pytest.approx(expected, rel=1e-6)
 
 
+@pytest.fixture(scope="module")
+def bfloat16_run(tmp_path_factory, data_dir):
+    output_dir = str(tmp_path_factory.mktemp("bfloat16") / "out")
+    proc = run_entrypoint([*smoke_args(data_dir, output_dir), "--mixed-precision", "bfloat16"],
+                          tmp_path_factory.mktemp("bfloat16_process"))
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    with open(os.path.join(output_dir, "results.json")) as f:
+        return proc, output_dir, json.load(f)
+
+
 @pytest.mark.slow
-def test_mixed_precision_saved_model_serves_float32(options_run, mnist_arrays):
-    _, output_dir, _ = options_run
+def test_a_bfloat16_run_runs_to_the_end_and_names_its_policy(bfloat16_run):
+    proc, _, results = bfloat16_run
+    assert "Traceback" not in proc.stderr
+    assert results["dtype_policy"] == "mixed_bfloat16"
+    assert results["eval_accuracy_checkpoint"] == results["eval_accuracy_unreplicated"] > 0.5
+    assert "compiled in the strategy's scope, mixed_bfloat16" in proc.stdout  # the summary names it
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("run, compute", [("options_run", "float16"), ("bfloat16_run", "bfloat16")])
+def test_mixed_precision_exports_serve_float32(run, compute, request, mnist_arrays, tmp_path):
+    _, output_dir, _ = request.getfixturevalue(run)
     saved = os.path.join(output_dir, "saved_model")
     serve = tf.saved_model.load(saved).signatures["serving_default"]
     (spec,) = serve.structured_input_signature[1].values()
@@ -230,7 +279,11 @@ def test_mixed_precision_saved_model_serves_float32(options_run, mnist_arrays):
     images = mnist_arrays["test"][0][:8, ..., None].astype(np.float32) / 255.0
     (logits,) = serve(**{next(iter(serve.structured_input_signature[1])): tf.constant(images)}).values()
     assert logits.dtype == tf.float32 and logits.shape == (8, NUM_CLASSES) and np.all(np.isfinite(logits.numpy()))
-    # It was trained and exported in mixed precision: float16 compute inside, float32 at the end.
+    # It was trained and exported in mixed precision: float16 or bfloat16 compute inside, float32 at the end.
     reloaded = keras.models.load_model(saved, compile=False)
-    assert reloaded.layers[0].dtype_policy.name == "mixed_float16"
+    assert reloaded.layers[0].dtype_policy.name == f"mixed_{compute}"
     assert reloaded.layers[-1].dtype_policy.name == "float32"
+    # Keras 3 loads the Keras file, policies and all, and its float32 logits are the SavedModel's.
+    predicted = _predict_in_fresh_process(KERAS3_SCRIPT, os.path.join(output_dir, "model.keras"), images, tmp_path)
+    assert predicted.dtype == np.float32
+    np.testing.assert_allclose(predicted, logits.numpy(), atol=1e-5, rtol=0)

@@ -60,6 +60,6 @@ def test_two_workers_with_every_multiworker_choice_run_to_the_end(tmp_path, data
     with open(os.path.join(output_dir, "results.json")) as f:
         results = json.load(f)
     assert (results["replicas"], results["communication"], results["step_metrics"], results["allreduce_dtype"],
-            results["mixed_precision"]) == (2, "auto", "all", "float16", True)
+            results["dtype_policy"]) == (2, "auto", "all", "float16", "mixed_float16")
     assert results["eval_accuracy_checkpoint"] == results["eval_accuracy_unreplicated"] > 0.5
     assert " - val_loss: " in workers[0].stdout and os.path.isdir(os.path.join(output_dir, "logs", "validation"))

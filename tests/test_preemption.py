@@ -1,7 +1,7 @@
 """Pre-emption and mid-epoch resume: SIGTERM saves at the next step boundary and exits 143, a SIGKILL loses at
 most --backup-every-steps steps, and either way the same command resumes at the saved step and ends with the
 weights of a run never interrupted, bit for bit. SIGTERM to one of two workers is in test_resize.py, whose
-workers then resume on another cluster size."""
+workers then resume on another cluster size. Under bfloat16 mixed precision it is the same, to the bit."""
 
 import json
 import os
@@ -24,6 +24,8 @@ STEPS = 1600 // BATCH  # the resume data's 1,600 training images: 200 steps an e
 EVERY = 20
 FLAGS = ["--epochs", str(EPOCHS), "--batch-size-per-replica", str(BATCH), "--steps-per-execution", "5",
          "--backup-every-steps", str(EVERY), "--deterministic", "--seed", "7"]
+# Each --mixed-precision choice resumed here: its flags, and the policy its results.json names.
+PRECISIONS = {"float32": ([], "float32"), "bfloat16": (["--mixed-precision", "bfloat16"], "mixed_bfloat16")}
 
 
 def _args(data_dir, output_dir, *extra):
@@ -48,10 +50,20 @@ def _assert_resumed_inside_epoch_2(proc, results):
 
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory, resume_data_dir):
-    output_dir = str(tmp_path_factory.mktemp("preempt_uninterrupted") / "out")
-    _, results = _finish(resume_data_dir, output_dir)
-    assert results["resumed_from_step"] == 0 and results["train_images"] == EPOCHS * STEPS * BATCH
-    return final_weights(output_dir, EPOCHS)
+    """The final weights of a run never interrupted, of a precision: each run once, when a test first asks."""
+    runs = {}
+
+    def weights(precision):
+        if precision not in runs:
+            output_dir = str(tmp_path_factory.mktemp(f"preempt_uninterrupted_{precision}") / "out")
+            flags, policy = PRECISIONS[precision]
+            _, results = _finish(resume_data_dir, output_dir, *flags)
+            assert results["resumed_from_step"] == 0 and results["train_images"] == EPOCHS * STEPS * BATCH
+            assert results["dtype_policy"] == policy
+            runs[precision] = final_weights(output_dir, EPOCHS)
+        return runs[precision]
+
+    return weights
 
 
 def _assert_bit_identical(output_dir, expected):
@@ -61,12 +73,16 @@ def _assert_bit_identical(output_dir, expected):
         np.testing.assert_array_equal(got[name], expected[name], err_msg=name)
 
 
-# The default strategy (no distribution) backs up and resumes as MirroredStrategy on one device does, to the bit.
+# The default strategy (no distribution) backs up and resumes as MirroredStrategy on one device does, to the bit;
+# so does a run in bfloat16, whose backup holds the same float32 weights and Adam slots.
 @pytest.mark.slow
-@pytest.mark.parametrize("strategy", ["mirrored", "default"])
-def test_sigterm_saves_exits_143_and_resumes_bit_identical(strategy, tmp_path, resume_data_dir, uninterrupted):
+@pytest.mark.parametrize("strategy, precision", [("mirrored", "float32"), ("default", "float32"),
+                                                 ("mirrored", "bfloat16")])
+def test_sigterm_saves_exits_143_and_resumes_bit_identical(strategy, precision, tmp_path, resume_data_dir,
+                                                           uninterrupted):
     output_dir = str(tmp_path / "out")
-    proc = Worker(_args(resume_data_dir, output_dir, "--strategy", strategy), {}, tmp_path, "run")
+    flags, policy = PRECISIONS[precision]
+    proc = Worker(_args(resume_data_dir, output_dir, "--strategy", strategy, *flags), {}, tmp_path, "run")
     try:
         proc.wait_for(f"Epoch 2/{EPOCHS}")
         sent = time.monotonic()
@@ -88,10 +104,11 @@ def test_sigterm_saves_exits_143_and_resumes_bit_identical(strategy, tmp_path, r
     assert epoch == 1 and 0 < step < STEPS
     assert f"saved at epoch 2, image {position.image:,} of {STEPS * BATCH:,};" in last
 
-    resumed, results = _finish(resume_data_dir, output_dir, "--strategy", strategy)
+    resumed, results = _finish(resume_data_dir, output_dir, "--strategy", strategy, *flags)
     assert results["resumed_from_step"] == STEPS + step and results["strategy"] == strategy
+    assert results["dtype_policy"] == policy
     _assert_resumed_inside_epoch_2(resumed, results)
-    _assert_bit_identical(output_dir, uninterrupted)
+    _assert_bit_identical(output_dir, uninterrupted(precision))
 
 
 def test_sigkill_mid_epoch_resumes_at_the_last_backup_bit_identical(tmp_path, resume_data_dir, uninterrupted):
@@ -122,5 +139,5 @@ def test_sigkill_mid_epoch_resumes_at_the_last_backup_bit_identical(tmp_path, re
     resumed, results = _finish(resume_data_dir, output_dir)
     _assert_resumed_inside_epoch_2(resumed, results)
     assert results["resumed_from_step"] >= STEPS + position[1]  # at the backup seen, or a later one
-    _assert_bit_identical(output_dir, uninterrupted)
+    _assert_bit_identical(output_dir, uninterrupted("float32"))
 

@@ -77,7 +77,7 @@ def test_scaling_benchmark_refuses_a_bad_batch_list(tmp_path, data_dir):
 
 
 def test_gpu_check_is_ready_to_run(tmp_path):
-    """The GPU check's command lines, without a GPU: its dry run lists the four runs, and a real run refuses."""
+    """The GPU check's command lines, without a GPU: its dry run lists the five runs, and a real run refuses."""
     env = {**subprocess_env(), "PATH": "/usr/bin:/bin"}  # no nvidia-smi: the machine has no GPU
     env["PATH"] = os.pathsep.join([os.path.dirname(sys.executable), env["PATH"]])
     dry = subprocess.run(["bash", "benchmarks/gpu_check.sh", "--dry-run", "--data-dir", str(tmp_path)], cwd=ROOT,
@@ -85,9 +85,11 @@ def test_gpu_check_is_ready_to_run(tmp_path):
     assert dry.returncode == 0, dry.stderr
     runs = [line for line in dry.stdout.splitlines() if line.startswith("[")]
     assert [run.split("]")[0][1:] for run in runs] == [
-        "1 GPU", "1 GPU, --mixed-precision", "2 logical GPUs on one, nccl", "2 logical GPUs on one, hierarchical-copy"]
+        "1 GPU", "1 GPU, --mixed-precision", "1 GPU, --mixed-precision bfloat16", "2 logical GPUs on one, nccl",
+        "2 logical GPUs on one, hierarchical-copy"]
     assert all(f"--data-dir {tmp_path} " in run for run in runs)
-    assert "--mixed-precision" in runs[1] and "--cross-device-ops nccl" in runs[2]
+    assert runs[1].endswith("--mixed-precision") and runs[2].endswith("--mixed-precision bfloat16")
+    assert "--cross-device-ops nccl" in runs[3]
     real = subprocess.run(["bash", "benchmarks/gpu_check.sh", "--data-dir", str(tmp_path)], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=60)
     assert real.returncode == 2 and real.stderr.strip().startswith("error:") and "no GPU" in real.stderr
