@@ -188,7 +188,7 @@ def test_mixed_precision_scales_the_loss_around_the_fused_adam(batches):
 def test_bfloat16_computes_in_bfloat16_and_scales_no_loss(batches):
     try:
         model.use_mixed_precision("mixed_bfloat16")
-        net = model.compile_model(model.build_model(), fused_adam=True)
+        net = model.compile_model(model.build_model(IMAGE_SHAPE, NUM_CLASSES), fused_adam=True)
         net.fit(batches, epochs=1, steps_per_epoch=2, verbose=0)
     finally:
         keras.mixed_precision.set_global_policy("float32")

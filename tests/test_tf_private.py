@@ -52,10 +52,12 @@ def test_optimizer_built_flag():
 def test_step_variables_made_beforehand_trace_each_step_once(fused_adam):
     """The project's model and compile: with the variables of a step's first call made beforehand, `fit` and
     `evaluate` trace their functions once; Keras would trace each twice (its first call creates them)."""
+    import data
     from model import build_model, compile_model
 
-    images, labels = tf.zeros((8, 28, 28, 1)), tf.zeros((8,), tf.int64)
-    model = compile_model(build_model(), steps_per_execution=2, fused_adam=fused_adam)
+    image_shape, num_classes = data.image_shape_and_classes()
+    images, labels = tf.zeros((8, *image_shape)), tf.zeros((8,), tf.int64)
+    model = compile_model(build_model(image_shape, num_classes), steps_per_execution=2, fused_adam=fused_adam)
     tf_private.create_step_variables(model)
     model.fit(images, labels, batch_size=4, epochs=2, verbose=0)
     model.evaluate(images, labels, batch_size=4, verbose=0)
