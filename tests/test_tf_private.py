@@ -327,7 +327,7 @@ def test_device_datasets_pass_through_the_wrap(monkeypatch):
 # ---------------------------------------------------------------- step hooks set on the model instance
 
 def test_fit_calls_the_step_hooks_set_on_the_instance():
-    """`data.gather_in_train_step` and `model.report_worker_means` replace `train_step` and `compute_metrics` on
+    """`data.training_input` and `model.report_worker_means` replace `train_step` and `compute_metrics` on
     the instance, not in a subclass, so that the export stays a plain Sequential: Keras must look them up there."""
     model = tiny_model()
     calls = []
