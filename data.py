@@ -14,6 +14,7 @@ import functools
 import math
 import os
 import socket
+import tempfile
 import threading
 import typing
 
@@ -99,8 +100,21 @@ def mnist_info(data_dir=None, idx_dir=None):
 def image_shape_and_classes(info=None):
     """What a model of this data is built for, from tfds's DatasetInfo: the image shape (height, width, channels)
     and the number of classes. Without `info`, mnist's builder gives them without any data."""
-    info = tfds.builder("mnist").info if info is None else info
+    info = _builder_info() if info is None else info
     return info.features["image"].shape, info.features["label"].num_classes
+
+
+@functools.lru_cache(maxsize=1)
+def _builder_info():
+    """mnist's DatasetInfo as its builder declares it, with no data. A builder that finds no prepared data makes an
+    empty folder in the temp dir (it looks for tfds's published metadata there), so it is made in one of its own."""
+    previous = tempfile.tempdir
+    with tempfile.TemporaryDirectory(prefix="mnist-info-") as scratch:
+        tempfile.tempdir = scratch
+        try:
+            return tfds.builder("mnist").info
+        finally:
+            tempfile.tempdir = previous
 
 
 def resident_split(info, split):
