@@ -157,10 +157,16 @@ def gpus_probed():
     terminal.start_tensorflow(verbose=False)
 
 
+# What importing the entrypoint sets in a process's environment for itself (TensorFlow's allocator, tf.keras as
+# tf_keras): a test that imports it leaves them in pytest's environment, and a process started after it, a Keras 3
+# user's among them, must not inherit them; the entrypoint's own processes set them again.
+SET_BY_THE_ENTRYPOINT = ("TF_CPU_ALLOCATOR_USE_BFC", "TF_USE_LEGACY_KERAS")
+
+
 def subprocess_env():
     env = dict(os.environ)
-    env.pop("TF_CONFIG", None)
-    env.pop("PYTHONPATH", None)
+    for name in ("TF_CONFIG", "PYTHONPATH", *SET_BY_THE_ENTRYPOINT):
+        env.pop(name, None)
     return env
 
 

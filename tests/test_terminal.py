@@ -61,7 +61,7 @@ def test_a_failed_start_shows_every_held_line_and_the_error_propagates(capfd):
 @pytest.mark.slow
 def test_verbose_start_shows_tensorflows_own_notices():
     """The real thing, in a fresh process: what TensorFlow prints while it starts is replayed with --verbose."""
-    script = "import terminal as t; t.start_tensorflow(verbose=True); print('started')"
+    script = "from machinery import terminal as t; t.start_tensorflow(verbose=True); print('started')"
     proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=subprocess_env(),
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
