@@ -14,7 +14,6 @@ import functools
 import math
 import os
 import socket
-import tempfile
 import threading
 import typing
 
@@ -80,7 +79,7 @@ def mnist_info(data_dir=None, idx_dir=None):
     """
     if data_dir is not None and not os.path.isdir(data_dir) and idx_dir is None:
         raise UsageError(f"--data-dir {data_dir} does not exist; prepare it with: {prepare_mnist.HINT} --data-dir {data_dir}")
-    builder = tfds.builder("mnist", data_dir=data_dir)
+    builder = prepare_mnist.made_tidily(tfds.builder, "mnist", data_dir=data_dir)
     if not prepare_mnist.is_prepared(builder):
         if idx_dir is not None:
             prepare_mnist.prepare(idx_dir, data_dir, exist_ok=True)
@@ -90,7 +89,7 @@ def mnist_info(data_dir=None, idx_dir=None):
                              "or pass --idx-dir DIR_WITH_IDX_FILES")
     try:
         # download_and_prepare does nothing for a prepared dir, and downloads (as tfds.load does) otherwise.
-        builder = tfds.builder("mnist", data_dir=data_dir)
+        builder = prepare_mnist.made_tidily(tfds.builder, "mnist", data_dir=data_dir)
         builder.download_and_prepare()
         return builder.info
     except (OSError, ValueError, AssertionError, tf.errors.OpError) as err:
@@ -106,15 +105,8 @@ def image_shape_and_classes(info=None):
 
 @functools.lru_cache(maxsize=1)
 def _builder_info():
-    """mnist's DatasetInfo as its builder declares it, with no data. A builder that finds no prepared data makes an
-    empty folder in the temp dir (it looks for tfds's published metadata there), so it is made in one of its own."""
-    previous = tempfile.tempdir
-    with tempfile.TemporaryDirectory(prefix="mnist-info-") as scratch:
-        tempfile.tempdir = scratch
-        try:
-            return tfds.builder("mnist").info
-        finally:
-            tempfile.tempdir = previous
+    """mnist's DatasetInfo as its builder declares it, with no data."""
+    return prepare_mnist.made_tidily(tfds.builder, "mnist").info
 
 
 def resident_split(info, split):

@@ -13,6 +13,7 @@ import gzip
 import math
 import os
 import sys
+import tempfile
 
 import numpy as np
 import tensorflow_datasets as tfds
@@ -119,6 +120,19 @@ def _prepare_lock(data_dir):
         yield  # closing the file releases the lock, also when the process dies
 
 
+def made_tidily(make, *args, **kwargs):
+    """`make(*args, **kwargs)`, a tfds builder, made with a temp dir of its own, removed afterwards: a builder that
+    finds no prepared data makes an empty folder in the temp dir (it looks there for tfds's published metadata) and
+    leaves it behind."""
+    previous = tempfile.tempdir
+    with tempfile.TemporaryDirectory(prefix="mnist-builder-") as own:
+        tempfile.tempdir = own
+        try:
+            return make(*args, **kwargs)
+        finally:
+            tempfile.tempdir = previous
+
+
 def prepare(idx_dir, data_dir=None, *, exist_ok=False):
     """Writes a prepared `mnist` tfds dataset under data_dir from the IDX files in idx_dir; returns its path.
 
@@ -126,11 +140,12 @@ def prepare(idx_dir, data_dir=None, *, exist_ok=False):
     """
     if not os.path.isdir(idx_dir):
         raise UsageError(f"--idx-dir {idx_dir} is not a directory; point it at the folder with the MNIST IDX files")
-    splits = {split: read_split(idx_dir, split, tfds.builder("mnist").info) for split in IDX_FILES}
-    root = data_dir or os.path.dirname(os.path.dirname(tfds.builder("mnist").data_dir))  # tfds's own default
+    declared = made_tidily(tfds.builder, "mnist")  # what mnist holds, and where tfds keeps it by default
+    splits = {split: read_split(idx_dir, split, declared.info) for split in IDX_FILES}
+    root = data_dir or os.path.dirname(os.path.dirname(declared.data_dir))
     with _prepare_lock(root):
         # Made under the lock, so that it sees what a prepare that held the lock before wrote.
-        builder = tf_private.without_prepare_lines(_MnistFromIdx(splits=splits, data_dir=data_dir))
+        builder = tf_private.without_prepare_lines(made_tidily(_MnistFromIdx, splits=splits, data_dir=data_dir))
         if is_prepared(builder):
             if exist_ok:
                 return builder.data_dir
