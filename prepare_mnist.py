@@ -153,7 +153,12 @@ def prepare(idx_dir, data_dir=None, *, exist_ok=False):
         print(f"preparing mnist in {root} from the IDX files in {idx_dir}", flush=True)
         # tfds writes into an "incomplete" temporary folder and renames it when done, so a killed prepare
         # leaves no half-written dataset behind.
-        builder.download_and_prepare(download_config=tfds.download.DownloadConfig(try_download_gcs=False))
+        try:
+            builder.download_and_prepare(download_config=tfds.download.DownloadConfig(try_download_gcs=False))
+        except BaseException:
+            # tfds's progress bar, stopped mid-way, leaves its line open: what follows starts on a line of its own.
+            print(file=sys.stderr, flush=True)
+            raise
         print(f"prepared mnist in {builder.data_dir}", flush=True)
     return builder.data_dir
 

@@ -103,20 +103,19 @@ def make_split(n, rng):
 
 @pytest.fixture(scope="session", autouse=True)
 def own_temp_dir(tmp_path_factory):
-    """The suite's own temporary files (tfds's builders that the tests make, autograph's sources of the runs inside
-    this process) in one folder, removed at the end, so that the suite leaves nothing in the machine's temp dir.
+    """This process's temporary files (tfds's builders that the tests make, autograph's sources of the runs inside
+    it, the test clusters' folders) in one folder, removed at the end, so that the suite leaves nothing in the
+    machine's temp dir.
     What a run itself leaves is checked with a TMPDIR of its own (test_left_behind.py); pytest's tmp_path folders
     stay where pytest keeps them, for a failure to be looked at."""
     tmp_path_factory.getbasetemp()
-    previous, environ = tempfile.tempdir, os.environ.get("TMPDIR")
+    previous = tempfile.tempdir
     own = tempfile.mkdtemp(prefix="mnist-tests-")
-    tempfile.tempdir = os.environ["TMPDIR"] = own
+    # Open to every user, as the temp dir is: munge refuses a socket below a folder others cannot enter.
+    os.chmod(own, 0o755)
+    tempfile.tempdir = own
     yield own
     tempfile.tempdir = previous
-    if environ is None:
-        os.environ.pop("TMPDIR", None)
-    else:
-        os.environ["TMPDIR"] = environ
     shutil.rmtree(own, ignore_errors=True)
 
 

@@ -207,18 +207,22 @@ RUN_STEPS = 3
 RUN_BATCH = 64
 
 
-@pytest.fixture(scope="module")
-def options_run(tmp_path_factory, data_dir):
-    output_dir = str(tmp_path_factory.mktemp("options") / "out")
-    args = [*smoke_args(data_dir, output_dir), "--epochs", str(RUN_EPOCHS), "--steps-per-epoch", str(RUN_STEPS),
-            "--batch-size-per-replica", str(RUN_BATCH), "--scale-lr", "--warmup-epochs", "1",
-            "--mixed-precision", "--gpu-memory-growth"]
-    if SMOKE_CPU_REPLICAS:
-        args += ["--cpu-replicas", str(SMOKE_CPU_REPLICAS), "--cross-device-ops", "hierarchical-copy"]
-    proc = run_entrypoint(args, tmp_path_factory.mktemp("options_process"))
+def finished_run(tmp_path_factory, data_dir, name, options):
+    """A smoke run with `options`, to its end: its process, output folder and results.json."""
+    output_dir = str(tmp_path_factory.mktemp(name) / "out")
+    proc = run_entrypoint([*smoke_args(data_dir, output_dir), *options], tmp_path_factory.mktemp(f"{name}_process"))
     assert proc.returncode == 0, proc.stderr[-4000:]
     with open(os.path.join(output_dir, "results.json")) as f:
         return proc, output_dir, json.load(f)
+
+
+@pytest.fixture(scope="module")
+def options_run(tmp_path_factory, data_dir):
+    options = ["--epochs", str(RUN_EPOCHS), "--steps-per-epoch", str(RUN_STEPS), "--batch-size-per-replica",
+               str(RUN_BATCH), "--scale-lr", "--warmup-epochs", "1", "--mixed-precision", "--gpu-memory-growth"]
+    if SMOKE_CPU_REPLICAS:
+        options += ["--cpu-replicas", str(SMOKE_CPU_REPLICAS), "--cross-device-ops", "hierarchical-copy"]
+    return finished_run(tmp_path_factory, data_dir, "options", options)
 
 
 @pytest.mark.slow
@@ -249,12 +253,7 @@ def test_options_run_prints_and_logs_the_rate_really_used(options_run):
 
 @pytest.fixture(scope="module")
 def bfloat16_run(tmp_path_factory, data_dir):
-    output_dir = str(tmp_path_factory.mktemp("bfloat16") / "out")
-    proc = run_entrypoint([*smoke_args(data_dir, output_dir), "--mixed-precision", "bfloat16"],
-                          tmp_path_factory.mktemp("bfloat16_process"))
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    with open(os.path.join(output_dir, "results.json")) as f:
-        return proc, output_dir, json.load(f)
+    return finished_run(tmp_path_factory, data_dir, "bfloat16", ["--mixed-precision", "bfloat16"])
 
 
 @pytest.mark.slow
