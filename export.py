@@ -79,16 +79,18 @@ def _name_the_policies(path):
             archive.writestr(info, content)
 
 
-def reload(path, strategy=None):
+def reload(path, strategy=None, *, steps_per_execution=1):
     """TF 2.0's `tf.keras.experimental.load_from_saved_model` is `keras.models.load_model` now.
 
-    Reloaded inside `strategy.scope()` when a strategy is given, then compiled as the tutorial does. The metrics'
-    totals are made now, so that `evaluate` traces its step once, not twice.
+    Reloaded inside `strategy.scope()` when a strategy is given, then compiled as the tutorial does, running
+    `steps_per_execution` test steps a call as the trained model does. The metrics' totals are made now, so that
+    `evaluate` traces its step once, not twice.
     """
     if strategy is None:
-        model = compile_model(keras.models.load_model(path, compile=False))
+        model = compile_model(keras.models.load_model(path, compile=False), steps_per_execution=steps_per_execution)
     else:
         with strategy.scope():
-            model = compile_model(keras.models.load_model(path, compile=False))
+            model = compile_model(keras.models.load_model(path, compile=False),
+                                  steps_per_execution=steps_per_execution)
     tf_private.create_step_variables(model)
     return model

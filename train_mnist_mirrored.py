@@ -7,18 +7,14 @@ exported and reloaded without and with the strategy's scope, both evaluated, and
 Figures go to results.json; a short summary for people follows them.
 """
 
+import importlib
 import json
 import os
 import sys
 import time
 
-# Wall-clock stamps (Unix time, as a benchmark outside the process reads its own clock) of where each of the run's
-# phases ends, in results.json: benchmarks/phases.py breaks the whole command down with them.
-PHASE_ENDS = {"interpreter": time.time()}
-
-
-def phase_done(name):
-    PHASE_ENDS[name] = time.time()
+# When this module started running: the end of the interpreter's start, the first of a run's phases (PhaseClock).
+MODULE_STARTED = time.time()
 
 
 # TensorFlow's CPU tensors from its own BFC allocator, which keeps freed memory for the next step, instead of
@@ -120,7 +116,41 @@ def make_strategy(cfg, tf):
     return tf.distribute.MirroredStrategy(devices=cfg.device_list, cross_device_ops=cross_device_ops(cfg, tf))
 
 
-# ---------------------------------------------------------------- the run
+# ---------------------------------------------------------------- the steps after the strategy
+
+def read_data(cfg, strategy, global_batch):
+    """Step 2: tfds's DatasetInfo, the training split and what the evaluations read of the test split, both splits
+    held in memory (47 MB): training sends only each batch's indices through tf.data (docs/performance.md)."""
+    import data
+
+    info = data.mnist_info(cfg.data_dir, cfg.idx_dir)
+    train_split, test_split = (data.resident_split(info, split) for split in ("train", "test"))
+    return info, train_split, data.eval_input(strategy, *test_split, global_batch=global_batch)
+
+
+def build(cfg, strategy, info, train_split, plan, global_batch):
+    """Step 3: the model of model.py, built for the data's images and classes and compiled inside the strategy's
+    scope; then step 2's training half wired into it. Returns the model and what `fit` reads."""
+    import callbacks
+    import data
+    from machinery import resume
+    from model import build_model, compile_model, use_mixed_precision
+
+    if cfg.mixed_precision:
+        use_mixed_precision(cfg.dtype_policy)
+    learning_rate = callbacks.learning_rate(cfg, global_batch=global_batch, steps_per_epoch=plan.steps,
+                                            step_offset=plan.step_offset)
+    with strategy.scope():
+        model = compile_model(build_model(*data.image_shape_and_classes(info)),
+                              steps_per_execution=cfg.steps_per_execution,
+                              jit_compile=cfg.jit_compile, fused_adam=cfg.fused_adam, learning_rate=learning_rate,
+                              worker_step_metrics=cfg.worker_step_metrics, allreduce_dtype=cfg.allreduce_dtype)
+    # A backup this model or optimizer cannot continue is refused before training writes anything.
+    resume.refuse_another_model(cfg, plan, model)
+    # `fit` reads batches of indices from the first image the backup had not trained, and each step gathers its
+    # images from the split resident on its device.
+    return model, data.training_input(strategy, model, train_split, plan.stream(cfg.epochs))
+
 
 def fit(cfg, model, train, test, *, plan, work_dir, preemption):
     """Step 4's `fit` with the tutorial's callbacks and the backup, from the plan's position; returns its wall
@@ -140,65 +170,90 @@ def fit(cfg, model, train, test, *, plan, work_dir, preemption):
     # The backup callback sets Keras's own counters to the plan's epoch and step; initial_epoch says the same.
     # With --validation, Keras evaluates the test split at each epoch's end; TensorBoard's callback writes
     # those figures to a `validation` run beside `train`.
+    validation = dict(validation_data=test.dataset, validation_steps=test.steps) if cfg.validation else {}
     model.fit(train, epochs=cfg.epochs, initial_epoch=plan.epoch, steps_per_epoch=plan.steps, callbacks=[*cbs, clock],
-              validation_data=test if cfg.validation else None)
+              **validation)
     return time.perf_counter() - start, time.process_time() - start_cpu, clock.epoch_seconds()
 
 
-def run(cfg, preemption):
+def restore_and_evaluate(cfg, tf, model, test, *, restore):
+    """Step 5: the latest checkpoint restored into `model` (when `restore`), then its test accuracy."""
+    if restore:
+        # The checkpoint also holds the optimizer, which evaluation does not need.
+        latest = tf.train.latest_checkpoint(cfg.path(cfg.checkpoint_dir))
+        model.load_weights(latest).assert_existing_objects_matched().expect_partial()
+    return model.evaluate(test.dataset, steps=test.steps)[1]
+
+
+def export_and_reload(cfg, model, strategy, test, work_dir, phases):
+    """Step 6: the SavedModel exported, and the Keras 3 file; the SavedModel reloaded without and with the
+    strategy's scope, each evaluated. Returns both test accuracies."""
+    import export
+
+    saved_model = os.path.join(work_dir, cfg.saved_model_dir)
+    export.export(model, saved_model)
+    phases.done("saved_model")
+    export.export_keras(model, os.path.join(work_dir, cfg.keras_model_file))
+    phases.done("keras_file")
+    accuracies = []
+    for name, scope in (("reload", None), ("reload_in_scope", strategy)):
+        reloaded = export.reload(saved_model, scope, steps_per_execution=cfg.steps_per_execution)
+        accuracies.append(reloaded.evaluate(test.dataset, steps=test.steps)[1])
+        phases.done(name)
+    return accuracies
+
+
+class PhaseClock:
+    """Wall-clock stamps (Unix time, as a benchmark outside the process reads its own clock) of where each of a
+    run's phases ends, for results.json's `phase_ends`: benchmarks/phases.py breaks the whole command down with
+    them. The interpreter's start, the process's, is the first."""
+
+    def __init__(self):
+        self.ends = {"interpreter": MODULE_STARTED}
+
+    def done(self, name):
+        self.ends[name] = time.time()
+
+
+# ---------------------------------------------------------------- the run
+
+def run(cfg, preemption, phases):
     tf = terminal.start_tensorflow(cfg.verbose)
-    phase_done("tensorflow")
+    phases.done("tensorflow")
 
     # Step 1: the strategy.
     strategy = make_strategy(cfg, tf)
     print(f"Number of devices: {strategy.num_replicas_in_sync}")
-    phase_done("strategy")
+    global_batch = cfg.batch_size_per_replica * strategy.num_replicas_in_sync
+    is_chief = strategy.extended.should_checkpoint
+    phases.done("strategy")
 
-    # Imported here rather than at the top, so that a bad flag is reported before TensorFlow loads, and after
-    # the strategy, which (for multi-worker) must exist before anything else touches the runtime.
-    import callbacks
-    import data
-    import export
+    # tf_keras, tfds and the steps' modules, imported here rather than at the top, so that a bad flag is reported
+    # before TensorFlow loads, and after the strategy, which (for multi-worker) must exist before anything else
+    # touches the runtime.
+    for module in ("model", "data", "callbacks", "export", "machinery.resume"):
+        importlib.import_module(module)
     from machinery import resume
-    from model import build_model, compile_model, keras, use_mixed_precision
-    phase_done("libraries")
-
+    from model import keras
+    phases.done("libraries")
     keras.utils.set_random_seed(cfg.seed)
     if cfg.deterministic:
         tf.config.experimental.enable_op_determinism()
 
-    # Step 2: the data, read before any output is touched so that a bad --data-dir changes nothing. Both splits
-    # are held in memory (47 MB); training sends only each batch's indices through tf.data (docs/performance.md).
-    info = data.mnist_info(cfg.data_dir, cfg.idx_dir)
-    train_split, test_split = (data.resident_split(info, split) for split in ("train", "test"))
-    is_chief = strategy.extended.should_checkpoint
-    global_batch = cfg.batch_size_per_replica * strategy.num_replicas_in_sync
+    # Step 2: the data, read before any output is touched, so that a bad --data-dir changes nothing. Where
+    # training starts, counted in images, on whatever cluster the backup was made: a restart the backup's
+    # position cannot survive is refused here too.
+    info, train_split, test = read_data(cfg, strategy, global_batch)
     num_train = info.splits["train"].num_examples
-    # Where training starts, counted in images, on whatever cluster the backup was made: a restart the backup's
-    # position cannot survive is refused here, before any output is touched.
     plan = resume.start(cfg.path(cfg.backup_dir), resume.Settings.of(cfg, num_examples=num_train,
                                                                      global_batch=global_batch),
                         epochs=cfg.epochs, overwrite=cfg.overwrite)
     work_dir = outputs.clear_and_make_work_dir(cfg, is_chief)
-    test = data.eval_dataset(*test_split, global_batch=global_batch)
-    phase_done("data")
+    phases.done("data")
 
     # Step 3: the model, compiled inside the strategy's scope.
-    if cfg.mixed_precision:
-        use_mixed_precision(cfg.dtype_policy)
-    learning_rate = callbacks.learning_rate(cfg, global_batch=global_batch, steps_per_epoch=plan.steps,
-                                            step_offset=plan.step_offset)
-    with strategy.scope():
-        model = compile_model(build_model(*data.image_shape_and_classes(info)),
-                              steps_per_execution=cfg.steps_per_execution,
-                              jit_compile=cfg.jit_compile, fused_adam=cfg.fused_adam, learning_rate=learning_rate,
-                              worker_step_metrics=cfg.worker_step_metrics, allreduce_dtype=cfg.allreduce_dtype)
-    # A backup this model or optimizer cannot continue is refused before training writes anything.
-    resume.refuse_another_model(cfg, plan, model)
-    # Step 2's training half, wired into the model: `fit` reads batches of indices from the first image the
-    # backup had not trained, and each step gathers its images from the split resident on its device.
-    train = data.training_input(strategy, model, train_split, plan.stream(cfg.epochs))
-    phase_done("model")
+    model, train = build(cfg, strategy, info, train_split, plan, global_batch)
+    phases.done("model")
 
     # Step 4: training, from the first image the backup had not trained.
     if plan.resumed_after_images:
@@ -206,34 +261,22 @@ def run(cfg, preemption):
     timing, trained = (0.0, 0.0, []), plan.train_images(cfg.epochs)
     if trained:
         timing = fit(cfg, model, train, test, plan=plan, work_dir=work_dir, preemption=preemption)
-    phase_done("fit")
+    phases.done("fit")
 
     # Step 5: the latest checkpoint, restored and evaluated. A non-chief that just trained skips the restore:
     # synchronous training left it the chief's weights, and the chief may still be writing that checkpoint.
-    if is_chief or not trained:
-        # The checkpoint also holds the optimizer, which evaluation does not need.
-        latest = tf.train.latest_checkpoint(cfg.path(cfg.checkpoint_dir))
-        model.load_weights(latest).assert_existing_objects_matched().expect_partial()
-    _, accuracy_checkpoint = model.evaluate(test)
-    phase_done("restore")
+    accuracy_checkpoint = restore_and_evaluate(cfg, tf, model, test, restore=is_chief or not trained)
+    phases.done("restore")
 
     # Step 6: export, reload without and with the strategy's scope, evaluate both; and the Keras 3 file.
-    saved_model = os.path.join(work_dir, cfg.saved_model_dir)
-    export.export(model, saved_model)
-    phase_done("saved_model")
-    export.export_keras(model, os.path.join(work_dir, cfg.keras_model_file))
-    phase_done("keras_file")
-    _, accuracy_unreplicated = export.reload(saved_model).evaluate(test)
-    phase_done("reload")
-    _, accuracy_replicated = export.reload(saved_model, strategy).evaluate(test)
-    phase_done("reload_in_scope")
+    accuracy_unreplicated, accuracy_replicated = export_and_reload(cfg, model, strategy, test, work_dir, phases)
 
     figures = outputs.results(
         cfg, strategy, parameters=model.count_params(), global_batch=global_batch, plan=plan, train_images=trained,
         timing=timing, accuracies=(accuracy_checkpoint, accuracy_unreplicated, accuracy_replicated),
-        phase_ends=PHASE_ENDS)
+        phase_ends=phases.ends)
     preemption.finishing()
-    outputs.finish(cfg, figures, is_chief=is_chief, work_dir=work_dir)
+    outputs.finish(cfg, figures, is_chief=is_chief)
     print(json.dumps(figures, indent=2))
     print()
     print(terminal.summary(cfg, figures, num_train=num_train, num_test=info.splits["test"].num_examples,
@@ -241,7 +284,7 @@ def run(cfg, preemption):
     return EXIT_OK
 
 
-def outcome(args, preemption):
+def outcome(args, preemption, phases):
     """The run's exit status, and the one line that says why it stopped early (None when it did not)."""
     cfg = None
     try:
@@ -252,7 +295,7 @@ def outcome(args, preemption):
         outputs.refuse_finished_run(cfg)
         # Every temporary file in one folder, removed at every end; a restart of this worker finds it by its name.
         with scratch.kept(f"{os.path.abspath(cfg.output_dir)} worker {workers.rank if workers else 0}"):
-            return run(cfg, preemption), None
+            return run(cfg, preemption, phases), None
     except UsageError as err:
         return EXIT_BAD_INPUT, f"error: {err}"
     except Preempted as err:
@@ -272,13 +315,14 @@ def outcome(args, preemption):
 
 
 def main(argv=None):
-    phase_done("imports")
+    phases = PhaseClock()
+    phases.done("imports")
     parser = config.build_parser("train_mnist_mirrored.py", __doc__)
     args = parser.parse_args(argv)
     # From here on SIGTERM saves and stops training at the next step boundary, or ends the run at once when
     # it is not training (exit 143 either way).
     with sigterm.watched() as preemption:
-        status, line = outcome(args, preemption)
+        status, line = outcome(args, preemption, phases)
     if line:
         print(line, file=sys.stderr)
     if worker_group.started():

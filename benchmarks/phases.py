@@ -32,7 +32,7 @@ from throughput import ENTRYPOINT, ROOT  # noqa: F401  (ROOT: throughput put the
 
 from config import EXIT_BAD_INPUT, EXIT_OK, Config, UsageError  # noqa: E402
 
-# The run's phases, in order, each named by the stamp at its end (train_mnist_mirrored.PHASE_ENDS); between
+# The run's phases, in order, each named by the stamp at its end (train_mnist_mirrored.PhaseClock); between
 # "model" and "fit" the epochs are split out of `fit` by its epoch clock.
 STAMPED = (
     ("interpreter", "interpreter start"),

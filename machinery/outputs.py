@@ -35,8 +35,8 @@ def clear_outputs(cfg):
 def clear_and_make_work_dir(cfg, is_chief):
     """For the chief, clears earlier outputs from --output-dir (clear_outputs: an unfinished run's backup stays, to
     resume from); returns where this process writes: --output-dir for the chief; another worker writes to a
-    folder of its own, removed at the end. (Keras's ModelCheckpoint and BackupAndRestore send a non-chief's
-    writes elsewhere themselves.)"""
+    folder of its own in the process's temporary folder (machinery/scratch.py), removed with it at the end. (Keras's
+    ModelCheckpoint and BackupAndRestore send a non-chief's writes elsewhere themselves.)"""
     if is_chief:
         clear_outputs(cfg)
     os.makedirs(cfg.output_dir, exist_ok=True)
@@ -113,16 +113,13 @@ def write_json(path, payload):
     os.replace(partial, path)
 
 
-def finish(cfg, figures, *, is_chief, work_dir):
-    """The chief writes results.json, and only then removes the backup: a kill before that resumes from it. Any
-    other worker removes its own folder."""
+def finish(cfg, figures, *, is_chief):
+    """The chief writes results.json, and only then removes the backup: a kill before that resumes from it."""
     if is_chief:
         write_json(cfg.path(cfg.results_file), figures)
         from machinery import resume
 
         resume.discard(cfg.path(cfg.backup_dir))
-    else:
-        shutil.rmtree(work_dir, ignore_errors=True)
 
 
 # ---------------------------------------------------------------- a full disk
