@@ -107,8 +107,8 @@ def test_one_replica_gets_the_same_batches_without_the_multi_device_iterator(loa
 
 
 def test_multi_device_iterators_build_their_device_pipelines_untuned(loaded):
-    """Several workers and every evaluation still read through TensorFlow's multi-device iterator; once the run
-    has distributed its input, the device-side pipelines that iterator builds have tf.data's autotuner off (its
+    """Several replicas or workers, and their evaluations, still read through TensorFlow's multi-device iterator;
+    once the run has distributed its input, the device-side pipelines that iterator builds have tf.data's autotuner off (its
     thread, waited for at teardown, held a two-worker `fit` 17 s after its last epoch)."""
     _, _, arrays = loaded
     test = data.eval_dataset(*arrays["test"], global_batch=BATCH)
@@ -134,6 +134,29 @@ def test_eval_batches_are_the_test_split_in_order(loaded):
     for (got_images, got_labels), (images, labels) in zip(got, expected):
         np.testing.assert_array_equal(got_images, images)
         np.testing.assert_array_equal(got_labels, labels)
+
+
+def test_one_replica_evaluates_without_the_multi_device_iterator(loaded):
+    """Every evaluation of a single replica reads the test split through the strategy's per-replica input, as its
+    training does, and gives Keras's own path's loss and accuracy."""
+    from model import build_model, compile_model
+
+    _, info, arrays = loaded
+    strategy = tf.distribute.MirroredStrategy(["/cpu:0"])
+    test = data.eval_input(strategy, *arrays["test"], global_batch=BATCH)
+    assert isinstance(test.dataset, tf.distribute.DistributedDataset)
+    assert test.steps == data.steps_per_epoch(NUM_TEST, BATCH)
+    assert "MultiDevice" not in type(iter(test.dataset)._iterators[0]._iterator).__name__
+    with strategy.scope():
+        model, twin = (compile_model(build_model(*data.image_shape_and_classes(info)), steps_per_execution=2)
+                       for _ in range(2))
+    twin.set_weights(model.get_weights())  # a test function is traced for one kind of iterator
+    fast = model.evaluate(test.dataset, steps=test.steps, verbose=0)
+    keras_path = twin.evaluate(data.eval_dataset(*arrays["test"], global_batch=BATCH), verbose=0)
+    np.testing.assert_allclose(fast, keras_path, rtol=1e-6)
+    # Anywhere else (here TensorFlow's default strategy) Keras's own path reads the batches, to their end.
+    plain = data.eval_input(tf.distribute.get_strategy(), *arrays["test"], global_batch=BATCH)
+    assert isinstance(plain.dataset, tf.data.Dataset) and plain.steps is None
 
 
 def test_a_corrupt_record_file_is_a_clean_error(data_dir, tmp_path, monkeypatch, capsys):
