@@ -180,14 +180,11 @@ def main(argv=None):
             terminal.start_tensorflow(args.verbose)
             prepare(args.idx_dir, args.data_dir)
     except UsageError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return EXIT_BAD_INPUT
+        return terminal.stopped(EXIT_BAD_INPUT, err)
     except sigterm.Stopped:
-        print(f"error: stopped (SIGTERM); {NOT_KEPT}", file=sys.stderr)
-        return EXIT_PREEMPTED
+        return terminal.stopped(EXIT_PREEMPTED, f"stopped (SIGTERM); {NOT_KEPT}")
     except KeyboardInterrupt:
-        print(f"error: interrupted; {NOT_KEPT}", file=sys.stderr)
-        return EXIT_INTERRUPTED
+        return terminal.stopped(EXIT_INTERRUPTED, f"interrupted; {NOT_KEPT}")
     print(f"train with: python train_mnist_mirrored.py --data-dir {args.data_dir or '~/tensorflow_datasets'}")
     return EXIT_OK
 

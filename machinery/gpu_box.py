@@ -95,8 +95,7 @@ def main():
     try:
         refuse_silent_cpu_run(Config(), tf)
     except UsageError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return EXIT_BAD_INPUT
+        return terminal.stopped(EXIT_BAD_INPUT, err)
     print(f"TensorFlow sees {len(tf.config.list_physical_devices('GPU'))} GPU(s); nvidia-smi lists {nvidia_gpus()}")
     return EXIT_OK
 

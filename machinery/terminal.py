@@ -6,6 +6,13 @@ import os
 import sys
 import tempfile
 
+def stopped(status, problem):
+    """A command's one line for why it stopped early, `error: <problem>; <fix>` on stderr; returns its exit status
+    (README, "Exit codes")."""
+    print(f"error: {problem}", file=sys.stderr)
+    return status
+
+
 # ---------------------------------------------------------------- TensorFlow's start-up
 
 # Lines TensorFlow 2.21 prints from C++ while it loads and probes for GPUs, before its logging is set up, so
