@@ -30,7 +30,7 @@ import time
 import throughput
 from throughput import ENTRYPOINT, ROOT  # noqa: F401  (ROOT: throughput put the project on the path)
 
-from config import EXIT_BAD_INPUT, EXIT_OK, Config, UsageError  # noqa: E402
+from config import EXIT_BAD_INPUT, Config, UsageError  # noqa: E402
 
 # The run's phases, in order, each named by the stamp at its end (train_mnist_mirrored.PhaseClock); between
 # "model" and "fit" the epochs are split out of `fit` by its epoch clock.
@@ -188,10 +188,7 @@ def main(argv=None):
             print(f"round {round_ + 1}  {name:<9} {measured['wall_seconds']:6.2f} s, "
                   f"{measured['whole_over_ceiling']:.3f} x the ceiling's", flush=True)
     results = summarize(rounds, ceilings, args)
-    print_table(results)
-    throughput.write_figures(results, args.output)
-    work.cleanup()
-    return EXIT_OK
+    return throughput.report(results, print_table, args.output, work)
 
 
 if __name__ == "__main__":

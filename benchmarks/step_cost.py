@@ -32,9 +32,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import tensorflow as tf  # noqa: E402
 
 import data  # noqa: E402
-from config import EXIT_BAD_INPUT, EXIT_OK, Config, UsageError  # noqa: E402
-from throughput import (add_data_source, built_model, ceiling_loop, prepared_data, resident_batches, timed,  # noqa: E402
-                        write_figures)  # benchmarks/ is this script's folder, first on sys.path
+from config import EXIT_BAD_INPUT, Config, UsageError  # noqa: E402
+from throughput import (add_data_source, built_model, ceiling_loop, prepared_data, report, resident_batches,  # noqa: E402
+                        timed)  # benchmarks/ is this script's folder, first on sys.path
 
 DEFAULT_ROUNDS = 30
 BASELINE = "ceiling"
@@ -146,10 +146,7 @@ def main(argv=None):
                   "mirrored": tf.distribute.MirroredStrategy(), "default": tf.distribute.get_strategy()}
     runs, steps = variants(info, cfg, strategies, args.steps)
     results = summarize(measure(runs, args.rounds), steps)
-    print_table(results)
-    write_figures(results, args.output)
-    work.cleanup()
-    return EXIT_OK
+    return report(results, print_table, args.output, work)
 
 
 if __name__ == "__main__":

@@ -310,6 +310,14 @@ def write_figures(results, path):
     print(f"figures written to {path}")
 
 
+def report(results, print_table, path, work):
+    """A benchmark's end: its table printed, its figures written to `path`, its prepared data (`work`) removed."""
+    print_table(results)
+    write_figures(results, path)
+    work.cleanup()
+    return EXIT_OK
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_data_source(parser)
@@ -346,10 +354,7 @@ def main(argv=None):
             print(f"round {round_ + 1}  {name:<22} {_describe(rounds[name][-1])}", flush=True)
 
     results = summarize(rounds, args)
-    print_table(results)
-    write_figures(results, args.output)
-    work.cleanup()
-    return EXIT_OK
+    return report(results, print_table, args.output, work)
 
 
 if __name__ == "__main__":
