@@ -140,13 +140,14 @@ def test_padding_leaves_each_update_that_of_the_real_examples(tmp_path):
 
 
 @pytest.mark.slow
-def test_tensorflow_still_aborts_on_an_empty_batch_probe():
+def test_tensorflow_still_aborts_on_an_empty_batch_probe(tmp_path):
     """The probe that tells when data.padded can go: docs/upstream/empty_batch_maxpoolgrad.py, run as TensorFlow
     comes (oneDNN on) and with oneDNN off. Off, it must run on any CPU (else the reproducer is broken); on, it
     aborts on some CPUs only, and the test says which it did here."""
     def probe(**env):
-        return subprocess.run([sys.executable, REPRODUCER], env={**subprocess_env(), **env}, capture_output=True,
-                              text=True, timeout=120)
+        # An aborted probe leaves autograph's file of its traced function in its temp dir: this test's, not /tmp.
+        return subprocess.run([sys.executable, REPRODUCER], env={**subprocess_env(), "TMPDIR": str(tmp_path), **env},
+                              capture_output=True, text=True, timeout=120)
 
     off = probe(TF_ENABLE_ONEDNN_OPTS="0")
     assert off.returncode == 0 and "shape (0, 4, 4, 1)" in off.stdout, off.stderr[-3000:]
