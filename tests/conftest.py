@@ -189,6 +189,12 @@ def subprocess_env():
     return env
 
 
+def run_benchmark(script, *args, timeout):
+    """benchmarks/`script` with `args`, in a fresh process started from the project's folder as a user starts it."""
+    return subprocess.run([sys.executable, os.path.join("benchmarks", script), *args], cwd=ROOT, env=subprocess_env(),
+                          capture_output=True, text=True, timeout=timeout)
+
+
 def wait_until(condition, what, seconds=WAIT_SECONDS):
     """Polls `condition()` until it returns something true, and returns that; fails saying `what` it waited for
     after `seconds`."""

@@ -3,20 +3,18 @@
 import json
 import os
 import statistics
-import subprocess
 import sys
 
 import pytest
 
 import config
-from conftest import ROOT, subprocess_env
+from conftest import ROOT, run_benchmark
 
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))  # throughput.py's functions, imported where a test uses them
 
 
 def _bench(*args):
-    return subprocess.run([sys.executable, "benchmarks/throughput.py", *args], cwd=ROOT, env=subprocess_env(),
-                          capture_output=True, text=True, timeout=600)
+    return run_benchmark("throughput.py", *args, timeout=600)
 
 
 @pytest.mark.slow
@@ -94,9 +92,7 @@ def test_benchmark_rejects_an_unknown_variant(tmp_path, data_dir):
 @pytest.mark.slow
 def test_step_cost_alternates_the_variants_in_one_process(tmp_path, data_dir):
     out = tmp_path / "step_cost.json"
-    proc = subprocess.run([sys.executable, "benchmarks/step_cost.py", "--data-dir", data_dir, "--rounds", "3",
-                           "--output", str(out)], cwd=ROOT, env=subprocess_env(), capture_output=True, text=True,
-                          timeout=600)
+    proc = run_benchmark("step_cost.py", "--data-dir", data_dir, "--rounds", "3", "--output", str(out), timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     figures = json.loads(out.read_text())
     assert figures["rounds"] == 3 and figures["steps_a_round"] >= 1
@@ -112,9 +108,8 @@ def test_step_cost_alternates_the_variants_in_one_process(tmp_path, data_dir):
 @pytest.mark.slow
 def test_phases_breaks_the_whole_command_down(tmp_path, data_dir):
     out = tmp_path / "phases.json"
-    proc = subprocess.run([sys.executable, "benchmarks/phases.py", "--data-dir", data_dir, "--epochs", "2",
-                           "--rounds", "1", "--output", str(out)], cwd=ROOT, env=subprocess_env(),
-                          capture_output=True, text=True, timeout=600)
+    proc = run_benchmark("phases.py", "--data-dir", data_dir, "--epochs", "2", "--rounds", "1", "--output", str(out),
+                         timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     import phases
 

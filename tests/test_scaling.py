@@ -8,12 +8,11 @@ import sys
 
 import pytest
 
-from conftest import ROOT, subprocess_env
+from conftest import ROOT, run_benchmark, subprocess_env
 
 
 def _bench(*args):
-    return subprocess.run([sys.executable, "benchmarks/scaling.py", *args], cwd=ROOT, env=subprocess_env(),
-                          capture_output=True, text=True, timeout=900)
+    return run_benchmark("scaling.py", *args, timeout=900)
 
 
 @pytest.mark.slow
@@ -52,8 +51,7 @@ def test_scaling_benchmark_writes_consistent_figures(tmp_path, data_dir):
 
 @pytest.mark.slow
 def test_allreduce_benchmark_prints_each_case():
-    proc = subprocess.run([sys.executable, "benchmarks/allreduce.py", "--repeats", "3", "--rounds", "1"], cwd=ROOT,
-                          env=subprocess_env(), capture_output=True, text=True, timeout=300)
+    proc = run_benchmark("allreduce.py", "--repeats", "3", "--rounds", "1", timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = {line[:20].strip(): line[20:].split() for line in proc.stdout.splitlines()
             if line.startswith(("gradients", "4 bytes"))}
