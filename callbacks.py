@@ -7,6 +7,7 @@ import os
 import time
 
 import numpy as np
+import tensorboard.summary.v2  # noqa: F401  (tf.summary.scalar imports it at its first call, the first step's end)
 import tensorflow as tf
 
 from machinery import resume
