@@ -10,9 +10,11 @@ throughput.py's compute ceiling (the model's train step alone at full rate, trac
 come from what it records in results.json: the Unix time at which each phase ended (`phase_ends`) and each
 epoch's seconds; the first phase starts and the last ends with the process.
 
-It prints each phase's median seconds, and two ratios:
+It prints each phase's median seconds, and three ratios:
 - the whole command's seconds over the seconds the ceiling needs for the same training images, in wall time
   and in CPU time (the process and its threads; what a shared machine's hypervisor steals does not count);
+- the whole command's seconds over its own epochs', each at the rate of its later epochs: the fixed seconds alone,
+  on a CPU where the epochs themselves run slower than the ceiling;
 - the first epoch's seconds over a later epoch's (the median of the others): tracing, the first execution and
   TensorBoard's graph are the first epoch's.
 """
@@ -107,6 +109,10 @@ def against_ceiling(run, ceiling):
         "cpu_whole_over_ceiling": cpu / (images / ceiling["images_per_cpu_s"]),
         "first_over_later_epoch": (epoch_seconds[0] / statistics.median(epoch_seconds[1:])
                                    if len(epoch_seconds) > 1 else None),
+        # The command over its own epochs, each at the later epochs' rate: how far the whole command is from
+        # its epochs alone, whatever the epochs' rate against the ceiling on this CPU.
+        "whole_over_own_epochs": (wall / (len(epoch_seconds) * statistics.median(epoch_seconds[1:]))
+                                  if len(epoch_seconds) > 1 else None),
     }
 
 
@@ -124,7 +130,8 @@ def summarize(rounds, ceilings, args):
         results["commands"][name] = {
             **{key: median_of(measured, key) for key in ("wall_seconds", "cpu_seconds", "ceiling_seconds",
                                                         "whole_over_ceiling", "cpu_whole_over_ceiling",
-                                                        "first_over_later_epoch", "test_accuracy")},
+                                                        "first_over_later_epoch", "whole_over_own_epochs",
+                                                        "test_accuracy")},
             "phase_seconds": {phase: round(statistics.median(r["phases"][phase] for r in measured), 3)
                               for phase in LABELS},
             "rounds": measured,
@@ -142,6 +149,7 @@ def print_table(results):
             ("the ceiling's seconds for the same images", "ceiling_seconds", ".2f"),
             (f"whole command / ceiling (bar {BARS['whole_over_ceiling']})", "whole_over_ceiling", ".3f"),
             ("the same in CPU seconds", "cpu_whole_over_ceiling", ".3f"),
+            ("whole command / its epochs at the later rate", "whole_over_own_epochs", ".3f"),
             (f"first epoch / a later one (bar {BARS['first_over_later_epoch']})", "first_over_later_epoch", ".3f"),
             ("test accuracy", "test_accuracy", ".4f"))
     for label, key, fmt in rows:

@@ -126,4 +126,6 @@ def test_phases_breaks_the_whole_command_down(tmp_path, data_dir):
     ratio = command["wall_seconds"] / command["ceiling_seconds"]
     assert abs(command["whole_over_ceiling"] - ratio) < 0.02 * ratio
     assert command["first_over_later_epoch"] == round(seconds["first_epoch"] / seconds["later_epochs"], 3)
+    own = command["wall_seconds"] / (2 * seconds["later_epochs"])
+    assert abs(command["whole_over_own_epochs"] - own) < 0.01 * own
     assert f"{command['whole_over_ceiling']:.3f}" in proc.stdout
