@@ -3,6 +3,7 @@
 Beside it goes `model.keras`, the file today's Keras 3 tutorial exports, for Keras 3 users.
 """
 
+import contextlib
 import json
 import os
 import shutil
@@ -86,11 +87,7 @@ def reload(path, strategy=None, *, steps_per_execution=1):
     `steps_per_execution` test steps a call as the trained model does. The metrics' totals are made now, so that
     `evaluate` traces its step once, not twice.
     """
-    if strategy is None:
+    with strategy.scope() if strategy else contextlib.nullcontext():
         model = compile_model(keras.models.load_model(path, compile=False), steps_per_execution=steps_per_execution)
-    else:
-        with strategy.scope():
-            model = compile_model(keras.models.load_model(path, compile=False),
-                                  steps_per_execution=steps_per_execution)
     tf_private.create_step_variables(model)
     return model
