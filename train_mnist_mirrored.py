@@ -10,7 +10,6 @@ Figures go to results.json; a short summary for people follows them.
 import importlib
 import json
 import os
-import sys
 import time
 
 # When this module started running: the end of the interpreter's start, the first of a run's phases (PhaseClock).
@@ -285,7 +284,8 @@ def run(cfg, preemption, phases):
 
 
 def outcome(args, preemption, phases):
-    """The run's exit status, and the one line that says why it stopped early (None when it did not)."""
+    """The run's exit status, and the problem that stopped it early (None when nothing did): terminal.stopped's
+    `<problem>; <fix>`."""
     cfg = None
     try:
         cfg = config.validate(config.from_args(args))
@@ -297,21 +297,21 @@ def outcome(args, preemption, phases):
         with scratch.kept(f"{os.path.abspath(cfg.output_dir)} worker {workers.rank if workers else 0}"):
             return run(cfg, preemption, phases), None
     except UsageError as err:
-        return EXIT_BAD_INPUT, f"error: {err}"
+        return EXIT_BAD_INPUT, str(err)
     except Preempted as err:
-        return EXIT_PREEMPTED, f"error: {err}"
+        return EXIT_PREEMPTED, str(err)
     except ClusterNotFormed as err:
-        return EXIT_PEER_LOST, f"error: {err}"
+        return EXIT_PEER_LOST, str(err)
     except KeyboardInterrupt:
-        return EXIT_INTERRUPTED, "error: interrupted; run the same command again to resume after the last backup"
+        return EXIT_INTERRUPTED, "interrupted; run the same command again to resume after the last backup"
     except Exception as err:
         full = outputs.no_space(cfg, err)
         if full is not None:
-            return EXIT_BAD_INPUT, f"error: {full}"
+            return EXIT_BAD_INPUT, full
         lost = worker_group.lost_peer(cfg, err)
         if lost is None:
             raise
-        return EXIT_PEER_LOST, f"error: {lost}; restart every worker with the same command: the run resumes from the last backup"
+        return EXIT_PEER_LOST, f"{lost}; restart every worker with the same command: the run resumes from the last backup"
 
 
 def main(argv=None):
@@ -322,9 +322,9 @@ def main(argv=None):
     # From here on SIGTERM saves and stops training at the next step boundary, or ends the run at once when
     # it is not training (exit 143 either way).
     with sigterm.watched() as preemption:
-        status, line = outcome(args, preemption, phases)
-    if line:
-        print(line, file=sys.stderr)
+        status, problem = outcome(args, preemption, phases)
+    if problem:
+        terminal.stopped(status, problem)
     if worker_group.started():
         worker_group.leave(status)
     run_lock.release()

@@ -19,6 +19,7 @@ import textwrap
 from projection import model_facts  # benchmarks/ is this script's folder, first on sys.path
 from scaling import run_pinned  # which also puts the project on sys.path
 from config import EXIT_BAD_INPUT, EXIT_OK
+from machinery import terminal
 TIMEOUT_S = 600
 
 # Runs in each worker: prints {case: [(wall s, CPU s) per round]} as JSON.
@@ -67,8 +68,7 @@ def main(argv=None):
     parser.add_argument("--rounds", type=int, default=3, help="timed calls; the medians are printed")
     args = parser.parse_args(argv)
     if args.repeats < 1 or args.rounds < 1:
-        print("error: --repeats and --rounds must be at least 1; e.g. --repeats 100 --rounds 3", file=sys.stderr)
-        return EXIT_BAD_INPUT
+        return terminal.stopped(EXIT_BAD_INPUT, "--repeats and --rounds must be at least 1; e.g. --repeats 100 --rounds 3")
     parameters = model_facts()[0]  # one gradient each, in the model model.py builds
     cases = (("gradients, float32", parameters, "float32"), ("gradients, bfloat16", parameters, "bfloat16"),
              ("4 bytes, float32", 1, "float32"))

@@ -33,6 +33,7 @@ import throughput
 from throughput import ENTRYPOINT, ROOT  # noqa: F401  (ROOT: throughput put the project on the path)
 
 from config import EXIT_BAD_INPUT, Config, UsageError  # noqa: E402
+from machinery import terminal  # noqa: E402
 
 # The run's phases, in order, each named by the stamp at its end (train_mnist_mirrored.PhaseClock); between
 # "model" and "fit" the epochs are split out of `fit` by its epoch clock.
@@ -177,8 +178,7 @@ def main(argv=None):
                                  "name a checkout of this project")
         work, data_dir, _ = throughput.prepared_data(args)
     except UsageError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return EXIT_BAD_INPUT
+        return terminal.stopped(EXIT_BAD_INPUT, err)
 
     rounds, ceilings = {name: [] for name in entrypoints}, []
     for round_ in range(args.rounds):

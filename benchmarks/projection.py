@@ -48,7 +48,8 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from config import EXIT_BAD_INPUT, EXIT_OK, UsageError  # noqa: E402  (config imports nothing heavy)
+from config import EXIT_BAD_INPUT, EXIT_OK, UsageError  # noqa: E402  (config and terminal import nothing heavy)
+from machinery import terminal  # noqa: E402
 
 WORKERS = (1, 2, 4, 8, 64, 512)  # the table's columns; the picture draws every power of two up to the last
 OUTPUT = os.path.join(ROOT, "docs", "scaling_projection.png")
@@ -86,7 +87,6 @@ MEASURED = (
 def built_model():
     """The model model.py builds, as the run builds it: for the image shape and classes tfds's DatasetInfo gives."""
     import train_mnist_mirrored  # noqa: F401  (sets TensorFlow's environment, as a run does)
-    from machinery import terminal
 
     terminal.start_tensorflow(verbose=False)  # its start-up notices held back, as in a run
     import data
@@ -318,8 +318,7 @@ def main(argv=None):
         print_fit(measured)
         rows = scenarios(measured)
     except UsageError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return EXIT_BAD_INPUT
+        return terminal.stopped(EXIT_BAD_INPUT, err)
     print_table(rows)
     draw(rows, measured, args.output)
     print(f"\npicture written to {args.output}")

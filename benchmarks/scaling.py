@@ -37,7 +37,7 @@ import tempfile
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from machinery import outputs  # noqa: E402  (outputs and config import nothing heavy)
+from machinery import outputs, terminal  # noqa: E402  (they and config import nothing heavy)
 from config import EXIT_BAD_INPUT, EXIT_OK, UsageError  # noqa: E402
 
 ENTRYPOINT = os.path.join(ROOT, "train_mnist_mirrored.py")
@@ -203,12 +203,10 @@ def main(argv=None):
         if not os.path.isdir(args.data_dir):
             raise UsageError(f"--data-dir {args.data_dir} does not exist; prepare it with python prepare_mnist.py")
     except ValueError:
-        print(f"error: --batches {args.batches} is not a comma-separated list of whole numbers; e.g. --batches 64,256",
-              file=sys.stderr)
-        return EXIT_BAD_INPUT
+        return terminal.stopped(EXIT_BAD_INPUT, f"--batches {args.batches} is not a comma-separated list of whole "
+                                                "numbers; e.g. --batches 64,256")
     except UsageError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return EXIT_BAD_INPUT
+        return terminal.stopped(EXIT_BAD_INPUT, err)
 
     names = configurations(args.allreduce_dtype)
     rounds = {batch: {name: [] for name in names} for batch in batches}

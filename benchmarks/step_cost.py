@@ -33,6 +33,7 @@ import tensorflow as tf  # noqa: E402
 
 import data  # noqa: E402
 from config import EXIT_BAD_INPUT, Config, UsageError  # noqa: E402
+from machinery import terminal  # noqa: E402
 from throughput import (add_data_source, built_model, ceiling_loop, prepared_data, report, resident_batches,  # noqa: E402
                         timed)  # benchmarks/ is this script's folder, first on sys.path
 
@@ -137,8 +138,7 @@ def main(argv=None):
             raise UsageError("--rounds and --steps must be at least 1")
         work, _, info = prepared_data(args)
     except UsageError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return EXIT_BAD_INPUT
+        return terminal.stopped(EXIT_BAD_INPUT, err)
 
     cfg = Config()
     # The multi-worker strategy first: it must configure TensorFlow's collectives before anything else runs.

@@ -41,7 +41,7 @@ import tensorflow as tf  # noqa: E402
 
 import callbacks  # noqa: E402
 import data  # noqa: E402
-from machinery import outputs  # noqa: E402
+from machinery import outputs, terminal  # noqa: E402
 from config import EXIT_BAD_INPUT, EXIT_OK, Config, UsageError  # noqa: E402
 from model import build_model, compile_model, keras  # noqa: E402
 
@@ -344,8 +344,7 @@ def main(argv=None):
             raise UsageError("--rounds and --epochs must be at least 1")
         work, data_dir, _ = prepared_data(args)
     except UsageError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return EXIT_BAD_INPUT
+        return terminal.stopped(EXIT_BAD_INPUT, err)
 
     rounds = {name: [] for name in ["tutorial", *names, "ceiling"]}
     for round_ in range(args.rounds):
