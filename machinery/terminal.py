@@ -1,10 +1,11 @@
-"""What the terminal shows besides Keras's own progress: TensorFlow's start-up notices held back, and the summary
-for people at the end, in the tutorial's step order (docs/terminal.md)."""
+"""What the terminal shows besides Keras's own progress: TensorFlow's start-up notices held back, the summary for
+people at the end, in the tutorial's step order (docs/terminal.md), and every command's one error line."""
 
 import contextlib
 import os
 import sys
 import tempfile
+
 
 def stopped(status, problem):
     """A command's one line for why it stopped early, `error: <problem>; <fix>` on stderr; returns its exit status
