@@ -57,7 +57,7 @@ AFTER_FIT = (
     ("exit", "results written, summary, exit"),
 )
 LABELS = dict(STAMPED + FIT + AFTER_FIT)
-BARS = {"whole_over_ceiling": 1.15, "first_over_later_epoch": 1.15}  # the bars, printed beside the ratios
+BARS = {"whole_over_ceiling": 1.15, "first_over_later_epoch": 1.15}  # the project's targets for both, printed beside the ratios
 
 
 def _children_cpu_seconds():
