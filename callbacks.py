@@ -1,7 +1,7 @@
 """Tutorial step 4's callbacks: TensorBoard, a weights checkpoint every epoch, the learning-rate
 schedule, the printed learning rate, and the tutorial's advice for larger batches (scale the learning rate with
-the batch, warmed up per step); beside them the backup that lets a killed or pre-empted run resume, which lives
-with the resume plan (resume.Backup)."""
+the batch, warmed up per step); beside them the backup that lets a killed or pre-empted run resume: Keras's
+BackupAndRestore, driven by the resume plan (machinery/resume.py)."""
 
 import os
 import time
@@ -115,6 +115,10 @@ class EpochClock(keras.callbacks.Callback):
         return [round(end - start, 3) for start, end in zip(self.ends, self.ends[1:])]
 
 
+class Backup(resume.PositionedBackup, keras.callbacks.BackupAndRestore):
+    """Keras's BackupAndRestore, backing up where the resume plan says and recording the position in images."""
+
+
 def make_callbacks(cfg, *, log_dir, checkpoint_dir, backup_dir, plan, preemption=None):
     if cfg.scale_lr:
         schedule = LogLR()  # the optimizer's ScaledDecay sets the rate (learning_rate() above)
@@ -130,5 +134,5 @@ def make_callbacks(cfg, *, log_dir, checkpoint_dir, backup_dir, plan, preemption
         # Last, so that an epoch counts as backed up only once its checkpoint is written. It restores the
         # model, the optimizer and the position at train begin; the program, not Keras, deletes the backup
         # once the whole run (export included) has finished, so a kill during export resumes there too.
-        resume.Backup(backup_dir, plan=plan, every_steps=cfg.backup_every_steps, preemption=preemption),
+        Backup(backup_dir, plan=plan, every_steps=cfg.backup_every_steps, preemption=preemption),
     ]

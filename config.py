@@ -12,54 +12,10 @@ import re
 import tempfile
 import typing
 
-
-# Exit statuses, one table of them (README, "Exit codes"). Schedulers act on them (deploy/): Kubeflow's TFJob
-# `restartPolicy: ExitCode`, and the podFailurePolicy of the Indexed Job and the JobSet, restart a worker on the
-# retryable statuses below and give up on the permanent ones.
-EXIT_OK = 0
-EXIT_BAD_INPUT = 2  # permanent until fixed (bad input, a full disk, no intact backup): one `error: <problem>; <fix>` line, nothing written lost
-EXIT_INTERRUPTED = 130  # Ctrl-C (128 + SIGINT)
-EXIT_PEER_LOST = 138  # another worker was lost or never came; restart every worker to resume (128 + SIGUSR1, "retryable")
-EXIT_PREEMPTED = 143  # SIGTERM: state saved, restart to resume (128 + SIGTERM)
-# Beside the project's own: 1 an uncaught error, 126-128 a command that could not run, 139 a crash (SIGSEGV), and
-# 137 SIGKILL (a grace period over, or out of memory). Any other status is left to the scheduler's default.
-PERMANENT_EXIT_STATUSES = (1, EXIT_BAD_INPUT, 126, 127, 128, 139)
-RETRYABLE_EXIT_STATUSES = (EXIT_INTERRUPTED, 137, EXIT_PEER_LOST, EXIT_PREEMPTED)
-
-
-class UsageError(Exception):
-    """A mistake the user can fix; the entrypoints print it as one line and exit non-zero."""
-
-
-class Preempted(Exception):
-    """SIGTERM ended the run after its state was saved; the same command resumes it (sigterm.Preemption)."""
-
-
-class ClusterNotFormed(Exception):
-    """A multi-worker cluster could not form: a worker never came, or this one's port is taken. Retryable (exit
-    138): a restart usually finds the worker there or the port free (docs/clusters.md, "Start-up")."""
-
+from machinery.exits import UsageError
+from machinery.worker_sources import check_port
 
 STRATEGIES = ("mirrored", "multiworker", "default")
-# What srun sets for each task of a job step, and TensorFlow's SlurmClusterResolver reads.
-SLURM_STEP_VARS = ("SLURM_PROCID", "SLURM_STEP_NUM_TASKS", "SLURM_STEP_NODELIST", "SLURM_STEP_TASKS_PER_NODE")
-# What each pod of a Kubernetes Indexed Job is told: its index (the Job controller sets it), and from the manifest
-# (deploy/indexed-job.yaml) the worker count, every worker's host name with {index} standing for its index, and
-# the port every worker listens on.
-INDEXED_JOB_VARS = ("JOB_COMPLETION_INDEX", "MNIST_WORKERS", "MNIST_WORKER_HOST", "MNIST_WORKER_PORT")
-# What each pod of a Kubeflow TrainJob is told (deploy/trainjob.yaml): its index, the TrainJob's name (its runtime
-# reads the JobSet's label below), the worker count and the port. Trainer names the JobSet after the TrainJob and
-# runs its pods as the replicated job below.
-TRAINJOB_VARS = ("JOB_COMPLETION_INDEX", "MNIST_TRAINJOB", "MNIST_WORKERS", "MNIST_WORKER_PORT")
-TRAINJOB_NAME_LABEL = "jobset.sigs.k8s.io/jobset-name"
-TRAINJOB_REPLICATED_JOB = "node"
-MAX_PORT = 65535
-# Under srun without --slurm-port-base, a job's node's first worker listens on SLURM_PORT_FIRST plus
-# SLURM_PORTS_PER_JOB times (SLURM_JOB_ID modulo SLURM_PORT_SLOTS): jobs sharing a node take different blocks of
-# 16 ports (up to 16 workers a node), all below Linux's ephemeral ports (32768 up), which outgoing connections use.
-SLURM_PORT_FIRST = 10000
-SLURM_PORTS_PER_JOB = 16
-SLURM_PORT_SLOTS = 1400
 # MirroredStrategy's all-reduce (tf.distribute.NcclAllReduce, HierarchicalCopyAllReduce, ReductionToOneDevice).
 CROSS_DEVICE_OPS = ("nccl", "hierarchical-copy", "reduce-to-one")
 # MultiWorkerMirroredStrategy's collectives (tf.distribute.experimental.CommunicationImplementation).
@@ -92,9 +48,16 @@ class Config:
     batch_size_per_replica: int = _option(64, "batch size on each replica; the global batch is this times the replica count", TRAINING)
     steps_per_epoch: typing.Optional[int] = _option(None, "train at most this many steps each epoch, for quick smoke runs (unset: the whole epoch)", TRAINING)
 
+    # The one place the dataset is named: any tfds image classification dataset with `image` and `label` features.
+    dataset: str = _option("mnist", "tfds name of the dataset: its images' shape, its classes and its splits come "
+                                     "from its DatasetInfo (fashion_mnist, cifar10, or one prepared in --data-dir)", DATA)
     data_dir: typing.Optional[str] = _option(None, "tfds data dir; unset means tfds's own, ~/tensorflow_datasets", DATA)
-    idx_dir: typing.Optional[str] = _option(None, "offline: if --data-dir holds no prepared mnist, prepare it first from the four MNIST IDX files here (unset: tfds downloads what --data-dir lacks)", DATA)
+    idx_dir: typing.Optional[str] = _option(None, "offline: if --data-dir holds no prepared --dataset, prepare it first from the four MNIST-format IDX files here (unset: tfds downloads what --data-dir lacks)", DATA)
     buffer_size: int = _option(10000, "shuffle buffer size, in examples", DATA)
+    resident_limit_mb: int = _option(
+        1024, "hold a split in memory, a copy on each replica's device, while its images take at most this many MB, "
+              "and gather each batch inside the train step; a larger split streams from tfds's files every epoch "
+              "(0: always stream)", DATA)
 
     strategy: str = _option("mirrored", "distribution strategy; multiworker reads the cluster from TF_CONFIG or, "
                                         "without it, from a Kubeflow TrainJob's or Kubernetes Indexed Job's "
@@ -201,12 +164,6 @@ def _positive(name, value):
         raise UsageError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
 
 
-def check_port(port, what, fix):
-    """Raises UsageError unless `port` exists (1-MAX_PORT); `what` names it where the user set it."""
-    if not 1 <= port <= MAX_PORT:
-        raise UsageError(f"{what} is not a port number, 1-{MAX_PORT}; {fix}")
-
-
 def validate(cfg):
     """Checks what can be checked before TensorFlow starts; raises UsageError."""
     for name in ("epochs", "batch_size_per_replica", "buffer_size", "steps_per_epoch", "steps_per_execution",
@@ -244,6 +201,8 @@ def validate(cfg):
     if cfg.slurm_port_base is not None:
         check_port(cfg.slurm_port_base, f"--slurm-port-base {cfg.slurm_port_base}", "choose the port of each node's "
                    "first worker, or leave it out")
+    if cfg.resident_limit_mb < 0:
+        raise UsageError(f"--resident-limit-mb must be 0 (always stream) or a size in MB, got {cfg.resident_limit_mb}")
     if cfg.warmup_epochs < 0:
         raise UsageError(f"--warmup-epochs must be 0 (off) or a positive count, got {cfg.warmup_epochs}")
     if cfg.warmup_epochs and not cfg.scale_lr:

@@ -1,28 +1,27 @@
 """TensorFlow's "Distributed training with Keras" tutorial as one script.
 
-Steps, in the tutorial's order: (1) the distribution strategy, (2) MNIST through tfds, (3) the model
-compiled inside `strategy.scope()`, (4) `fit` with TensorBoard, per-epoch checkpoints, the learning-rate
-schedule and a printed learning rate, (5) the latest checkpoint restored and evaluated, (6) a SavedModel
-exported and reloaded without and with the strategy's scope, both evaluated, and a model.keras for Keras 3.
+Steps, in the tutorial's order: (1) the distribution strategy, (2) the dataset through tfds (MNIST, or the one
+--dataset names), (3) the model compiled inside `strategy.scope()`, (4) `fit` with TensorBoard, per-epoch
+checkpoints, the learning-rate schedule and a printed learning rate, (5) the latest checkpoint restored and
+evaluated, (6) a SavedModel exported and reloaded without and with the strategy's scope, both evaluated, and a
+model.keras for Keras 3.
 Figures go to results.json; a short summary for people follows them.
 """
 
-import importlib
 import json
 import os
 import time
 
-# When this module started running: the end of the interpreter's start, the first of a run's phases (PhaseClock).
+# When this module started running: the end of the interpreter's start, the first of a run's phases.
 MODULE_STARTED = time.time()
 
 
 # TensorFlow's CPU tensors from its own BFC allocator, which keeps freed memory for the next step, instead of
-# malloc. With malloc, a worker of a multi-worker run took about 6,000 fresh pages a step (zeroed by the kernel,
-# then unmapped), a quarter of its CPU time; one replica took almost none, and is as fast either way
+# malloc, with which each step of a multi-worker run paid for fresh pages, zeroed by the kernel, then unmapped
 # (docs/history.md, "Several workers"). Read when TensorFlow makes its first CPU device; a user's setting wins.
 os.environ.setdefault("TF_CPU_ALLOCATOR_USE_BFC", "true")
 # `tf.keras` is tf_keras, the Keras the run uses: TensorFlow then loads tf_keras's optimizers as it starts, and
-# not Keras 3's, which the run never uses (about 1 CPU-second less at each start; docs/performance.md).
+# not Keras 3's, which the run never uses (docs/performance.md).
 os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
 
 import config
@@ -34,9 +33,9 @@ from machinery import sigterm
 from machinery import terminal
 from machinery import worker_group
 from machinery import worker_sources
-from config import (EXIT_BAD_INPUT, EXIT_INTERRUPTED, EXIT_OK, EXIT_PEER_LOST, EXIT_PREEMPTED, ClusterNotFormed,
-                    Preempted, UsageError)
-
+from machinery.exits import (EXIT_BAD_INPUT, EXIT_INTERRUPTED, EXIT_OK, EXIT_PEER_LOST, EXIT_PREEMPTED,
+                             ClusterNotFormed, Preempted, UsageError)
+from machinery.phase_clock import PhaseClock, ends
 
 # ---------------------------------------------------------------- step 1: the strategy
 
@@ -81,6 +80,7 @@ def refuse_xla_collectives_on_cpus(cfg, tf):
                          "train on one machine with --strategy mirrored")
 
 
+@ends("strategy")
 def make_strategy(cfg, tf):
     """Logical CPU devices and GPU memory growth must be set before TensorFlow's runtime starts, hence first of all."""
     gpu_box.refuse_silent_cpu_run(cfg, tf)
@@ -117,24 +117,32 @@ def make_strategy(cfg, tf):
 
 # ---------------------------------------------------------------- the steps after the strategy
 
-def read_data(cfg, strategy, global_batch):
-    """Step 2: tfds's DatasetInfo, the training split and what the evaluations read of the test split, both splits
-    held in memory (47 MB): training sends only each batch's indices through tf.data (docs/performance.md)."""
-    import data
-
-    info = data.mnist_info(cfg.data_dir, cfg.idx_dir)
-    train_split, test_split = (data.resident_split(info, split) for split in ("train", "test"))
-    return info, train_split, data.eval_input(strategy, *test_split, global_batch=global_batch)
-
-
-def build(cfg, strategy, info, train_split, plan, global_batch):
-    """Step 3: the model of model.py, built for the data's images and classes and compiled inside the strategy's
-    scope; then step 2's training half wired into it. Returns the model and what `fit` reads."""
+@ends("libraries")
+def import_steps():
+    """The steps' modules, and with them tf_keras and tfds: imported after the strategy, which (for multi-worker)
+    must exist before anything else touches TensorFlow's runtime, and not at the top, so that a bad flag is
+    reported before TensorFlow loads."""
+    global callbacks, data, export, resume, keras, build_model, compile_model, use_mixed_precision
     import callbacks
     import data
+    import export
     from machinery import resume
-    from model import build_model, compile_model, use_mixed_precision
+    from model import build_model, compile_model, keras, use_mixed_precision
 
+
+@ends("data")
+def read_data(cfg, strategy, global_batch):
+    """Step 2: the dataset's DatasetInfo, its training split and what the evaluations read of its test split, each
+    split held in memory or streamed (data.split)."""
+    info = data.load(cfg.dataset, cfg.data_dir, cfg.idx_dir)
+    train, test = (data.split(info, name, limit_mb=cfg.resident_limit_mb) for name in ("train", "test"))
+    return info, train, data.eval_input(strategy, test, global_batch=global_batch)
+
+
+@ends("model")
+def build(cfg, strategy, info, train, plan, global_batch):
+    """Step 3: the model of model.py, built for the data's images and classes and compiled inside the strategy's
+    scope; then step 2's training half wired into it. Returns the model and what `fit` reads."""
     if cfg.mixed_precision:
         use_mixed_precision(cfg.dtype_policy)
     learning_rate = callbacks.learning_rate(cfg, global_batch=global_batch, steps_per_epoch=plan.steps,
@@ -146,18 +154,20 @@ def build(cfg, strategy, info, train_split, plan, global_batch):
                               worker_step_metrics=cfg.worker_step_metrics, allreduce_dtype=cfg.allreduce_dtype)
     # A backup this model or optimizer cannot continue is refused before training writes anything.
     resume.refuse_another_model(cfg, plan, model)
-    # `fit` reads batches of indices from the first image the backup had not trained, and each step gathers its
-    # images from the split resident on its device.
-    return model, data.training_input(strategy, model, train_split, plan.stream(cfg.epochs))
+    # `fit` reads the batches from the first image the backup had not trained.
+    return model, data.training_input(strategy, model, train, plan.stream(cfg.epochs))
 
 
+@ends("fit")
 def fit(cfg, model, train, test, *, plan, work_dir, preemption):
-    """Step 4's `fit` with the tutorial's callbacks and the backup, from the plan's position; returns its wall
-    seconds, the CPU seconds this process spent meanwhile (all its threads), and each epoch's wall seconds,
-    which the benchmarks read."""
-    import callbacks
+    """Step 4's `fit` with the tutorial's callbacks and the backup, from the plan's position. Returns the images
+    it trained, and its wall seconds, the CPU seconds this process spent meanwhile (all its threads) and each
+    epoch's wall seconds, which the benchmarks read; nothing when the backup had trained every epoch."""
     from machinery import tf_private
 
+    images = plan.train_images(cfg.epochs)
+    if not images:
+        return images, (0.0, 0.0, [])
     clock = callbacks.EpochClock()
     cbs = callbacks.make_callbacks(cfg, log_dir=os.path.join(work_dir, cfg.log_dir),
                                    checkpoint_dir=cfg.path(cfg.checkpoint_dir), backup_dir=cfg.path(cfg.backup_dir),
@@ -172,9 +182,10 @@ def fit(cfg, model, train, test, *, plan, work_dir, preemption):
     validation = dict(validation_data=test.dataset, validation_steps=test.steps) if cfg.validation else {}
     model.fit(train, epochs=cfg.epochs, initial_epoch=plan.epoch, steps_per_epoch=plan.steps, callbacks=[*cbs, clock],
               **validation)
-    return time.perf_counter() - start, time.process_time() - start_cpu, clock.epoch_seconds()
+    return images, (time.perf_counter() - start, time.process_time() - start_cpu, clock.epoch_seconds())
 
 
+@ends("restore")
 def restore_and_evaluate(cfg, tf, model, test, *, restore):
     """Step 5: the latest checkpoint restored into `model` (when `restore`), then its test accuracy."""
     if restore:
@@ -184,57 +195,33 @@ def restore_and_evaluate(cfg, tf, model, test, *, restore):
     return model.evaluate(test.dataset, steps=test.steps)[1]
 
 
-def export_and_reload(cfg, model, strategy, test, work_dir, phases):
-    """Step 6: the SavedModel exported, and the Keras 3 file; the SavedModel reloaded without and with the
-    strategy's scope, each evaluated. Returns both test accuracies."""
-    import export
-
+@ends("export")
+def export_model(cfg, model, work_dir):
+    """Step 6's export: the SavedModel, and the Keras 3 file beside it. Returns the SavedModel's path."""
     saved_model = os.path.join(work_dir, cfg.saved_model_dir)
     export.export(model, saved_model)
-    phases.done("saved_model")
     export.export_keras(model, os.path.join(work_dir, cfg.keras_model_file))
-    phases.done("keras_file")
-    accuracies = []
-    for name, scope in (("reload", None), ("reload_in_scope", strategy)):
-        reloaded = export.reload(saved_model, scope, steps_per_execution=cfg.steps_per_execution)
-        accuracies.append(reloaded.evaluate(test.dataset, steps=test.steps)[1])
-        phases.done(name)
-    return accuracies
+    return saved_model
 
 
-class PhaseClock:
-    """Wall-clock stamps (Unix time, as a benchmark outside the process reads its own clock) of where each of a
-    run's phases ends, for results.json's `phase_ends`: benchmarks/phases.py breaks the whole command down with
-    them. The interpreter's start, the process's, is the first."""
-
-    def __init__(self):
-        self.ends = {"interpreter": MODULE_STARTED}
-
-    def done(self, name):
-        self.ends[name] = time.time()
+@ends("reload")
+def reload_and_evaluate(cfg, saved_model, strategy, test):
+    """Step 6's reloads: the SavedModel reloaded without and with the strategy's scope; both test accuracies."""
+    return [export.reload(saved_model, scope, steps_per_execution=cfg.steps_per_execution)
+            .evaluate(test.dataset, steps=test.steps)[1] for scope in (None, strategy)]
 
 
 # ---------------------------------------------------------------- the run
 
 def run(cfg, preemption, phases):
     tf = terminal.start_tensorflow(cfg.verbose)
-    phases.done("tensorflow")
 
     # Step 1: the strategy.
     strategy = make_strategy(cfg, tf)
     print(f"Number of devices: {strategy.num_replicas_in_sync}")
     global_batch = cfg.batch_size_per_replica * strategy.num_replicas_in_sync
     is_chief = strategy.extended.should_checkpoint
-    phases.done("strategy")
-
-    # tf_keras, tfds and the steps' modules, imported here rather than at the top, so that a bad flag is reported
-    # before TensorFlow loads, and after the strategy, which (for multi-worker) must exist before anything else
-    # touches the runtime.
-    for module in ("model", "data", "callbacks", "export", "machinery.resume"):
-        importlib.import_module(module)
-    from machinery import resume
-    from model import keras
-    phases.done("libraries")
+    import_steps()
     keras.utils.set_random_seed(cfg.seed)
     if cfg.deterministic:
         tf.config.experimental.enable_op_determinism()
@@ -242,43 +229,38 @@ def run(cfg, preemption, phases):
     # Step 2: the data, read before any output is touched, so that a bad --data-dir changes nothing. Where
     # training starts, counted in images, on whatever cluster the backup was made: a restart the backup's
     # position cannot survive is refused here too.
-    info, train_split, test = read_data(cfg, strategy, global_batch)
-    num_train = info.splits["train"].num_examples
-    plan = resume.start(cfg.path(cfg.backup_dir), resume.Settings.of(cfg, num_examples=num_train,
+    info, train, test = read_data(cfg, strategy, global_batch)
+    plan = resume.start(cfg.path(cfg.backup_dir), resume.Settings.of(cfg, num_examples=train.num_examples,
                                                                      global_batch=global_batch),
                         epochs=cfg.epochs, overwrite=cfg.overwrite)
     work_dir = outputs.clear_and_make_work_dir(cfg, is_chief)
-    phases.done("data")
 
     # Step 3: the model, compiled inside the strategy's scope.
-    model, train = build(cfg, strategy, info, train_split, plan, global_batch)
-    phases.done("model")
+    model, train_input = build(cfg, strategy, info, train, plan, global_batch)
 
     # Step 4: training, from the first image the backup had not trained.
     if plan.resumed_after_images:
         print(f"Resuming from the backup in {cfg.path(cfg.backup_dir)} at {plan.describe()}")
-    timing, trained = (0.0, 0.0, []), plan.train_images(cfg.epochs)
-    if trained:
-        timing = fit(cfg, model, train, test, plan=plan, work_dir=work_dir, preemption=preemption)
-    phases.done("fit")
+    trained, timing = fit(cfg, model, train_input, test, plan=plan, work_dir=work_dir, preemption=preemption)
 
     # Step 5: the latest checkpoint, restored and evaluated. A non-chief that just trained skips the restore:
     # synchronous training left it the chief's weights, and the chief may still be writing that checkpoint.
     accuracy_checkpoint = restore_and_evaluate(cfg, tf, model, test, restore=is_chief or not trained)
-    phases.done("restore")
 
     # Step 6: export, reload without and with the strategy's scope, evaluate both; and the Keras 3 file.
-    accuracy_unreplicated, accuracy_replicated = export_and_reload(cfg, model, strategy, test, work_dir, phases)
+    accuracy_unreplicated, accuracy_replicated = reload_and_evaluate(cfg, export_model(cfg, model, work_dir),
+                                                                     strategy, test)
 
     figures = outputs.results(
         cfg, strategy, parameters=model.count_params(), global_batch=global_batch, plan=plan, train_images=trained,
         timing=timing, accuracies=(accuracy_checkpoint, accuracy_unreplicated, accuracy_replicated),
-        phase_ends=phases.ends)
+        learning_rate_scale=callbacks.learning_rate_scale(global_batch, cfg.scale_lr),
+        inputs={"train": train.how, "test": test.how}, phase_ends=phases.ends)
     preemption.finishing()
     outputs.finish(cfg, figures, is_chief=is_chief)
     print(json.dumps(figures, indent=2))
     print()
-    print(terminal.summary(cfg, figures, num_train=num_train, num_test=info.splits["test"].num_examples,
+    print(terminal.summary(cfg, figures, num_train=train.num_examples, num_test=info.splits["test"].num_examples,
                            is_chief=is_chief, resumed=plan.describe() if plan.resumed_after_images else None))
     return EXIT_OK
 
@@ -315,13 +297,13 @@ def outcome(args, preemption, phases):
 
 
 def main(argv=None):
-    phases = PhaseClock()
+    phases = PhaseClock(MODULE_STARTED)
     phases.done("imports")
     parser = config.build_parser("train_mnist_mirrored.py", __doc__)
     args = parser.parse_args(argv)
     # From here on SIGTERM saves and stops training at the next step boundary, or ends the run at once when
     # it is not training (exit 143 either way).
-    with sigterm.watched() as preemption:
+    with sigterm.watched() as preemption, phases.running():
         status, problem = outcome(args, preemption, phases)
     if problem:
         terminal.stopped(status, problem)

@@ -18,7 +18,7 @@ import textwrap
 
 from projection import model_facts  # benchmarks/ is this script's folder, first on sys.path
 from scaling import run_pinned  # which also puts the project on sys.path
-from config import EXIT_BAD_INPUT, EXIT_OK
+from machinery.exits import EXIT_BAD_INPUT, EXIT_OK
 from machinery import terminal
 TIMEOUT_S = 600
 

@@ -32,7 +32,8 @@ import time
 import throughput
 from throughput import ENTRYPOINT, ROOT  # noqa: F401  (ROOT: throughput put the project on the path)
 
-from config import EXIT_BAD_INPUT, Config, UsageError  # noqa: E402
+from config import Config, UsageError  # noqa: E402
+from machinery.exits import EXIT_BAD_INPUT
 from machinery import terminal  # noqa: E402
 
 # The run's phases, in order, each named by the stamp at its end (train_mnist_mirrored.PhaseClock); between

@@ -48,7 +48,8 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from config import EXIT_BAD_INPUT, EXIT_OK, UsageError  # noqa: E402  (config and terminal import nothing heavy)
+from config import UsageError  # noqa: E402  config and terminal import nothing heavy
+from machinery.exits import EXIT_BAD_INPUT, EXIT_OK
 from machinery import terminal  # noqa: E402
 
 WORKERS = (1, 2, 4, 8, 64, 512)  # the table's columns; the picture draws every power of two up to the last

@@ -38,7 +38,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from machinery import outputs, terminal  # noqa: E402  (they and config import nothing heavy)
-from config import EXIT_BAD_INPUT, EXIT_OK, UsageError  # noqa: E402
+from config import UsageError  # noqa: E402
+from machinery.exits import EXIT_BAD_INPUT, EXIT_OK
 
 ENTRYPOINT = os.path.join(ROOT, "train_mnist_mirrored.py")
 CONFIGURATIONS = ("1 replica", "1 worker", "2 workers")

@@ -32,7 +32,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import tensorflow as tf  # noqa: E402
 
 import data  # noqa: E402
-from config import EXIT_BAD_INPUT, Config, UsageError  # noqa: E402
+from config import Config, UsageError  # noqa: E402
+from machinery.exits import EXIT_BAD_INPUT
 from machinery import terminal  # noqa: E402
 from throughput import (add_data_source, built_model, ceiling_loop, prepared_data, report, resident_batches,  # noqa: E402
                         timed)  # benchmarks/ is this script's folder, first on sys.path

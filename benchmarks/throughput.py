@@ -42,7 +42,8 @@ import tensorflow as tf  # noqa: E402
 import callbacks  # noqa: E402
 import data  # noqa: E402
 from machinery import outputs, terminal  # noqa: E402
-from config import EXIT_BAD_INPUT, EXIT_OK, Config, UsageError  # noqa: E402
+from config import Config, UsageError  # noqa: E402
+from machinery.exits import EXIT_BAD_INPUT, EXIT_OK
 from model import build_model, compile_model, keras  # noqa: E402
 
 RESULT_MARK = "BENCH "

@@ -13,7 +13,7 @@ import os
 import subprocess
 import sys
 
-from config import EXIT_BAD_INPUT, EXIT_OK, UsageError
+from machinery.exits import EXIT_BAD_INPUT, EXIT_OK, UsageError
 
 # The driver's own list of its GPUs, one folder each (PCI address), where nvidia-smi is not installed.
 DRIVER_GPUS = "/proc/driver/nvidia/gpus"
@@ -52,8 +52,10 @@ def nvidia_gpus():
 
 def cpu_asked_for(cfg, tf, environ):
     """True when the run was told to use the CPU: --allow-cpu, --cpu-replicas, --devices naming CPUs only, or
-    every GPU hidden (CUDA_VISIBLE_DEVICES empty or -1)."""
+    every GPU hidden (CUDA_VISIBLE_DEVICES empty or -1). `cfg` None is the default command, which says none of it."""
     hidden = environ.get("CUDA_VISIBLE_DEVICES", "unset").strip() in ("", "-1")
+    if cfg is None:
+        return hidden
     cpus_only = bool(cfg.device_list) and all(tf.DeviceSpec.from_string(d).device_type == "CPU"
                                                for d in cfg.device_list)
     return cfg.allow_cpu or bool(cfg.cpu_replicas) or cpus_only or hidden
@@ -89,11 +91,10 @@ def main():
     """The check alone, for benchmarks/gpu_check.sh: exit 0 where TensorFlow can use the GPUs (or there are
     none), 2 with the run's own line where it cannot."""
     from machinery import terminal
-    from config import Config
 
     tf = terminal.start_tensorflow(verbose=False)
     try:
-        refuse_silent_cpu_run(Config(), tf)
+        refuse_silent_cpu_run(None, tf)
     except UsageError as err:
         return terminal.stopped(EXIT_BAD_INPUT, err)
     print(f"TensorFlow sees {len(tf.config.list_physical_devices('GPU'))} GPU(s); nvidia-smi lists {nvidia_gpus()}")

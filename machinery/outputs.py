@@ -8,7 +8,7 @@ import os
 import shutil
 import tempfile
 
-from config import UsageError
+from machinery.exits import UsageError
 from machinery import tf_private
 
 
@@ -63,16 +63,18 @@ def peak_gpu_memory_mb(strategy):
     return {gpu: round(tf.config.experimental.get_memory_info(gpu)["peak"] / 2**20, 1) for gpu in gpus} or None
 
 
-def results(cfg, strategy, *, parameters, global_batch, plan, train_images, timing, accuracies, phase_ends=None):
+def results(cfg, strategy, *, parameters, global_batch, plan, train_images, timing, accuracies, learning_rate_scale,
+            inputs, phase_ends=None):
     """The figures of results.json; `plan` is where training started (resume.Plan), `timing` is `fit`'s wall and
     CPU seconds and each of its epochs' wall seconds, `accuracies` are the checkpoint's, the reloaded
-    SavedModel's, and the SavedModel's reloaded in the strategy's scope; `phase_ends` the Unix time at which each
-    of the run's phases so far ended, in order."""
-    from callbacks import learning_rate_scale
-
+    SavedModel's, and the SavedModel's reloaded in the strategy's scope; `inputs` how each split was read
+    ({"train": "resident" or "streamed", "test": ...}); `phase_ends` the Unix time at which each of the run's
+    phases so far ended, in order."""
     train_seconds, train_cpu_seconds, epoch_seconds = timing
     checkpoint, unreplicated, replicated = accuracies
     return {
+        "dataset": cfg.dataset,
+        "input": inputs,
         "strategy": cfg.strategy,
         "replicas": strategy.num_replicas_in_sync,
         "devices": device_names(strategy),
@@ -93,7 +95,7 @@ def results(cfg, strategy, *, parameters, global_batch, plan, train_images, timi
         "eval_accuracy_unreplicated": float(unreplicated),
         "eval_accuracy_replicated": float(replicated),
         "seed": cfg.seed,
-        "learning_rate_scale": learning_rate_scale(global_batch, cfg.scale_lr),
+        "learning_rate_scale": learning_rate_scale,
         "warmup_epochs": cfg.warmup_epochs,
         "cross_device_ops": cfg.cross_device_ops or "default",
         "communication": cfg.communication or "default",

@@ -28,10 +28,8 @@ import typing
 
 import tensorflow as tf
 
-import data
-from machinery import tf_private
-from config import Preempted, UsageError
-from model import keras
+from machinery import input_engine, tf_private
+from machinery.exits import Preempted, UsageError
 from machinery.sigterm import Preemption
 
 # The name the record has in the backup's checkpoint, and where Keras's BackupAndRestore keeps the chief's backup.
@@ -65,12 +63,12 @@ class Settings:
     @property
     def steps(self):
         """Steps an epoch: the last one holds what is left of the epoch's images, so it may be short."""
-        return data.steps_per_epoch(self.num_examples, self.global_batch, self.steps_per_epoch)
+        return input_engine.steps_per_epoch(self.num_examples, self.global_batch, self.steps_per_epoch)
 
     @property
     def epoch_images(self):
         """Images an epoch trains: the whole split, or the first steps x global batch of its order."""
-        return data.images_per_epoch(self.steps, self.global_batch, self.num_examples)
+        return input_engine.images_per_epoch(self.steps, self.global_batch, self.num_examples)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -288,7 +286,7 @@ class Plan:
     def stream(self, epochs):
         """The training batches this run reads, to the end of epoch `epochs`: from its first untrained image on."""
         s = self.settings
-        return data.Stream(num_examples=s.num_examples, global_batch=s.global_batch, buffer_size=s.buffer_size,
+        return input_engine.Stream(num_examples=s.num_examples, global_batch=s.global_batch, buffer_size=s.buffer_size,
                            seed=s.seed, epochs=epochs, first_epoch=self.epoch, first_image=self.image,
                            epoch_images=self.epoch_images)
 
@@ -352,10 +350,10 @@ def _any_worker(strategy):
     return lambda flag: bool(combine(tf.constant(int(flag))).numpy() > 0)
 
 
-class Backup(keras.callbacks.BackupAndRestore):
-    """Keras's BackupAndRestore, backing up at each epoch's end, every `every_steps` steps if given, and at the
-    next step boundary after SIGTERM, then raising `Preempted`; each backup also records its position in
-    images and what that means (resume.py), in the same checkpoint.
+class PositionedBackup:
+    """Mixed in before Keras's BackupAndRestore (callbacks.Backup), which it drives: backs up at each epoch's end,
+    every `every_steps` steps if given, and at the next step boundary after SIGTERM, then raises `Preempted`; each
+    backup also records its position in images and what that means (above), in the same checkpoint.
 
     Keras records the step an execution of `steps_per_execution` steps starts at, and resumes one step after
     it, which repeats the execution's other steps; this records the last step it finished instead. Keras keeps

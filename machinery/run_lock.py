@@ -16,7 +16,7 @@ import socket
 import sys
 import time
 
-from config import UsageError
+from machinery.exits import UsageError
 
 # What flock raises where the file system keeps no locks: NFS without its lock service (ENOLCK), Lustre mounted
 # without `flock` (ENOSYS), and others (EOPNOTSUPP).

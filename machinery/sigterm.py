@@ -17,7 +17,7 @@ import signal
 import sys
 import threading
 
-from config import EXIT_PREEMPTED, Preempted
+from machinery.exits import EXIT_PREEMPTED, Preempted
 from machinery import scratch
 
 OUTSIDE_TRAINING = ("pre-empted (SIGTERM) outside training; run the same command again to resume after the last "
@@ -28,7 +28,7 @@ TIDY_SECONDS = 2
 
 
 class Preemption:
-    """SIGTERM while training is noted (`requested`) and acted on at the next step boundary by resume.Backup,
+    """SIGTERM while training is noted (`requested`) and acted on at the next step boundary by callbacks.Backup,
     which sets `training`; at any other moment the run ends at once with 143, since the backup already holds all
     the training done and every output is written whole or not at all (docs/faults.md, "Safe outputs").
 

@@ -6,6 +6,8 @@ import os
 import sys
 import tempfile
 
+from machinery.phase_clock import ends
+
 
 def stopped(status, problem):
     """A command's one line for why it stopped early, `error: <problem>; <fix>` on stderr; returns its exit status
@@ -70,6 +72,7 @@ def startup_output_held(verbose, explained=()):
         sys.stderr.flush()
 
 
+@ends("tensorflow")
 def start_tensorflow(verbose):
     """Imports TensorFlow and lets it probe for GPUs, which is where CUDA reports, its notices held back."""
     # TensorFlow's C++ INFO and WARNING lines once it runs (input-pipeline notices); errors still show. Read as its
@@ -99,6 +102,15 @@ def trained_line(results, resumed=None):
     return f"{resumed}{done} of {epochs} at {results['train_images_per_s']:,.0f} images/s"
 
 
+def input_line(inputs):
+    """How the splits were read (results.json's `input`), for people: "held in memory", "streamed from disk" or
+    each split's own."""
+    said = {"resident": "held in memory", "streamed": "streamed from disk"}
+    if len(set(inputs.values())) == 1:
+        return said[inputs["train"]]
+    return ", ".join(f"{split} {said[how]}" for split, how in inputs.items())
+
+
 def summary(cfg, results, *, num_train, num_test, is_chief, resumed=None):
     """A few lines for people, after the JSON for programs, in the order of the tutorial's steps; `resumed`
     says where a resumed run started."""
@@ -108,8 +120,9 @@ def summary(cfg, results, *, num_train, num_test, is_chief, resumed=None):
         "Summary, in the tutorial's steps:",
         f"  1. strategy  {results['strategy']}: {replicas} replica{'s' * (replicas != 1)} in sync "
         f"on {', '.join(map(short_device, results['devices']))}",
-        f"  2. data      MNIST: {num_train:,} training and {num_test:,} test images, global batch "
-        f"{results['global_batch_size']}, {results['steps_per_epoch']} steps an epoch",
+        f"  2. data      {results['dataset']}: {num_train:,} training and {num_test:,} test images "
+        f"({input_line(results['input'])}), global batch {results['global_batch_size']}, "
+        f"{results['steps_per_epoch']} steps an epoch",
         f"  3. model     build_model() of model.py, {results['parameters']:,} parameters, compiled in the strategy's scope"
         + ("" if results["dtype_policy"] == "float32" else f", {results['dtype_policy']}"),
         f"  4. training  {trained_line(results, resumed)}{validation}; tensorboard --logdir {cfg.path(cfg.log_dir)}",

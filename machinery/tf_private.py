@@ -6,7 +6,7 @@ parses an error's text.
 Each use is listed in README.md's "Known issues" and has a canary in tests/test_tf_private.py, which fails
 naming the versions and what changed when an upgrade moves it.
 
-- Keras's BackupAndRestore, driven from outside (resume.Backup): its training state (`WorkerTrainingState`,
+- Keras's BackupAndRestore, driven from outside (callbacks.Backup): its training state (`WorkerTrainingState`,
   with the counters `_ckpt_saved_epoch` and `_ckpt_saved_batch`), where the callback and the model keep it
   (`_training_state`), its `_backup` and `_current_epoch`, and the optimizer's `_built`; the chief's checkpoint
   manager, which is both `read_checkpoint_manager` and `write_checkpoint_manager`, replaced to keep more backups;
@@ -58,10 +58,12 @@ def create_step_variables(model, *, labels_shape=(1,)):
 
 def worker_training_state(model, backup_dir, save_freq):
     """Keras's WorkerTrainingState: BackupAndRestore's checkpoint managers (`read_checkpoint_manager`,
-    `write_checkpoint_manager`) and its counters, for `model`."""
-    from model import keras
+    `write_checkpoint_manager`) and its counters, for `model`, from the Keras that built it."""
+    import importlib
 
-    return keras.src.distribute.worker_training_state.WorkerTrainingState(model, backup_dir, save_freq)
+    keras = type(model).__module__.split(".")[0]
+    module = importlib.import_module(f"{keras}.src.distribute.worker_training_state")
+    return module.WorkerTrainingState(model, backup_dir, save_freq)
 
 
 def attach_training_state(callback, state):

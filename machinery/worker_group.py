@@ -15,10 +15,10 @@ import socket
 import sys
 import time
 
-import config
+from machinery import worker_sources
 from machinery import sigterm
 from machinery import tf_private
-from config import EXIT_OK, EXIT_PREEMPTED, ClusterNotFormed
+from machinery.exits import EXIT_OK, EXIT_PREEMPTED, ClusterNotFormed
 
 # The jobs of TF_CONFIG whose tasks train together (TensorFlow's coordination service registers these two).
 TRAINING_JOBS = ("chief", "worker")
@@ -40,7 +40,7 @@ def check_port_and_warn_open(resolver):
     """Raises UsageError when this worker's port does not exist; else warns that it will be open: TensorFlow's gRPC
     server binds every interface, whatever host the cluster names, and checks no identity."""
     task_type, task_id, port = resolver.task_type, resolver.task_id, own_port(resolver)
-    config.check_port(port, f"{task_type} {task_id}'s port {port}",
+    worker_sources.check_port(port, f"{task_type} {task_id}'s port {port}",
                       "choose a lower --slurm-port-base, or fix the ports in TF_CONFIG")
     print(f"warning: {task_type} {task_id} listens on port {port} on every network interface, unauthenticated "
           "(TensorFlow's gRPC server); run multi-worker training only on a trusted network or behind a firewall "

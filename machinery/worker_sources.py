@@ -16,8 +16,27 @@ import re
 import shutil
 import socket
 
-import config
-from config import UsageError
+from machinery.exits import UsageError
+
+# What srun sets for each task of a job step, and TensorFlow's SlurmClusterResolver reads.
+SLURM_STEP_VARS = ("SLURM_PROCID", "SLURM_STEP_NUM_TASKS", "SLURM_STEP_NODELIST", "SLURM_STEP_TASKS_PER_NODE")
+# What each pod of a Kubernetes Indexed Job is told: its index (the Job controller sets it), and from the manifest
+# (deploy/indexed-job.yaml) the worker count, every worker's host name with {index} standing for its index, and
+# the port every worker listens on.
+INDEXED_JOB_VARS = ("JOB_COMPLETION_INDEX", "MNIST_WORKERS", "MNIST_WORKER_HOST", "MNIST_WORKER_PORT")
+# What each pod of a Kubeflow TrainJob is told (deploy/trainjob.yaml): its index, the TrainJob's name (its runtime
+# reads the JobSet's label below), the worker count and the port. Trainer names the JobSet after the TrainJob and
+# runs its pods as the replicated job below.
+TRAINJOB_VARS = ("JOB_COMPLETION_INDEX", "MNIST_TRAINJOB", "MNIST_WORKERS", "MNIST_WORKER_PORT")
+TRAINJOB_NAME_LABEL = "jobset.sigs.k8s.io/jobset-name"
+TRAINJOB_REPLICATED_JOB = "node"
+MAX_PORT = 65535
+# Under srun without --slurm-port-base, a job's node's first worker listens on SLURM_PORT_FIRST plus
+# SLURM_PORTS_PER_JOB times (SLURM_JOB_ID modulo SLURM_PORT_SLOTS): jobs sharing a node take different blocks of
+# 16 ports (up to 16 workers a node), all below Linux's ephemeral ports (32768 up), which outgoing connections use.
+SLURM_PORT_FIRST = 10000
+SLURM_PORTS_PER_JOB = 16
+SLURM_PORT_SLOTS = 1400
 
 # A host name as Kubernetes gives pods and Services (RFC 1123 labels), joined by dots.
 LABEL = r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?"
@@ -34,6 +53,12 @@ def _whole_numbers(environ, names, fix):
         except ValueError:
             raise UsageError(f"{name}={environ[name]!r} is not a whole number; {fix}") from None
     return numbers
+
+
+def check_port(port, what, fix):
+    """Raises UsageError unless `port` exists (1-MAX_PORT); `what` names it where the user set it."""
+    if not 1 <= port <= MAX_PORT:
+        raise UsageError(f"{what} is not a port number, 1-{MAX_PORT}; {fix}")
 
 
 class TFConfig:
@@ -89,7 +114,7 @@ class IndexedJob:
     """
 
     POD = "a Kubernetes Indexed Job's pod"
-    VARS = config.INDEXED_JOB_VARS
+    VARS = INDEXED_JOB_VARS
     FIX = ("set the pod's variables as deploy/indexed-job.yaml does (docs/clusters.md, \"Kubernetes\"), or set "
            "TF_CONFIG")
     COUNT = "the Job's completions and parallelism"
@@ -108,7 +133,7 @@ class IndexedJob:
         if workers < 1 or not 0 <= index < workers:
             raise UsageError(f"JOB_COMPLETION_INDEX={index} is not a worker of MNIST_WORKERS={workers}; give "
                              f"MNIST_WORKERS {self.COUNT}")
-        config.check_port(port, f"MNIST_WORKER_PORT={port}", self.FIX)
+        check_port(port, f"MNIST_WORKER_PORT={port}", self.FIX)
         hosts = self.hosts(environ, workers)
         # The Job controller names this pod's host after its Job and index (a pod on the node's network,
         # hostNetwork, has the node's name instead): names of another job would leave every worker waiting for
@@ -151,7 +176,7 @@ class TrainJob(IndexedJob):
     """
 
     POD = "a Kubeflow TrainJob's pod"
-    VARS = config.TRAINJOB_VARS
+    VARS = TRAINJOB_VARS
     FIX = "set the variables as deploy/trainjob.yaml does (docs/clusters.md, \"Kubeflow Trainer\"), or set TF_CONFIG"
     COUNT = "the TrainJob's numNodes"
 
@@ -164,14 +189,14 @@ class TrainJob(IndexedJob):
         job = environ["MNIST_TRAINJOB"]
         if not HOST_NAME.fullmatch(job) or "." in job:
             raise UsageError(f"MNIST_TRAINJOB={job!r} is not a TrainJob's name (a DNS label); give it the JobSet's "
-                             f"label {config.TRAINJOB_NAME_LABEL}, as deploy/trainjob.yaml does")
-        return [f"{job}-{config.TRAINJOB_REPLICATED_JOB}-0-{i}.{job}" for i in range(workers)]
+                             f"label {TRAINJOB_NAME_LABEL}, as deploy/trainjob.yaml does")
+        return [f"{job}-{TRAINJOB_REPLICATED_JOB}-0-{i}.{job}" for i in range(workers)]
 
     @staticmethod
     def refuse_host(environ, named, host):
         raise UsageError(f"MNIST_TRAINJOB={environ['MNIST_TRAINJOB']!r} names this pod {named}, but its host name is "
-                         f"{host}; give MNIST_TRAINJOB the JobSet's label {config.TRAINJOB_NAME_LABEL}, and name the "
-                         f"runtime's replicated job {config.TRAINJOB_REPLICATED_JOB!r}, as deploy/trainjob.yaml does")
+                         f"{host}; give MNIST_TRAINJOB the JobSet's label {TRAINJOB_NAME_LABEL}, and name the "
+                         f"runtime's replicated job {TRAINJOB_REPLICATED_JOB!r}, as deploy/trainjob.yaml does")
 
 
 class Slurm:
@@ -189,7 +214,7 @@ class Slurm:
         return "SLURM_JOB_ID" in environ or "SLURM_PROCID" in environ
 
     def __init__(self, environ, host=None):
-        missing = [name for name in config.SLURM_STEP_VARS if not environ.get(name)]
+        missing = [name for name in SLURM_STEP_VARS if not environ.get(name)]
         if missing:
             raise UsageError(f"{', '.join(missing)} not set: this Slurm job's workers were not started by srun; "
                              f"{self.FIX}")
@@ -246,14 +271,14 @@ def cluster_resolver(cfg, tf):
 
 
 def slurm_port_base(chosen, environ):
-    """--slurm-port-base if given, else a block of ports of the job's own (config.SLURM_PORT_FIRST), so that two
+    """--slurm-port-base if given, else a block of ports of the job's own (SLURM_PORT_FIRST), so that two
     jobs sharing a node do not both take TensorFlow's 8888."""
     if chosen is not None:
         return chosen
     job = environ.get("SLURM_JOB_ID", "0")
     if not job.isdigit():
         raise UsageError(f"SLURM_JOB_ID={job!r} is not a job number; give the ports with --slurm-port-base")
-    return config.SLURM_PORT_FIRST + config.SLURM_PORTS_PER_JOB * (int(job) % config.SLURM_PORT_SLOTS)
+    return SLURM_PORT_FIRST + SLURM_PORTS_PER_JOB * (int(job) % SLURM_PORT_SLOTS)
 
 
 def show_only_gpus(share, tf):

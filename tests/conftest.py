@@ -461,17 +461,17 @@ def trainer_applied(runtime, trainjob):
     name)."""
     import copy
 
-    import config
+    from machinery import worker_sources
 
     replicated, = [r for r in runtime["spec"]["template"]["spec"]["replicatedJobs"]
-                   if r["name"] == config.TRAINJOB_REPLICATED_JOB]
+                   if r["name"] == worker_sources.TRAINJOB_REPLICATED_JOB]
     spec = copy.deepcopy(replicated["template"]["spec"])
     job = trainjob["spec"]["trainer"]
     spec["parallelism"] = spec["completions"] = job.get("numNodes", runtime["spec"]["mlPolicy"]["numNodes"])
     container, = [c for c in spec["template"]["spec"]["containers"] if c["name"] == "node"]
     container["command"] = job["command"]
     env = {var["name"]: var for var in container.get("env", []) + job.get("env", [])}
-    labels = {config.TRAINJOB_NAME_LABEL: trainjob["metadata"]["name"]}
+    labels = {worker_sources.TRAINJOB_NAME_LABEL: trainjob["metadata"]["name"]}
     for var in env.values():
         field = var.pop("valueFrom", {}).get("fieldRef", {}).get("fieldPath")
         if field:
@@ -483,7 +483,7 @@ def trainer_applied(runtime, trainjob):
 def job_specs():
     """(name, the Job's spec, its pods' host name with {index}, their subdomain) of each manifest; the TrainJob's
     Job is the one Trainer makes from it and its runtime."""
-    import config
+    from machinery import worker_sources
 
     indexed = documents(INDEXED_JOB)
     job, service = indexed["Job"], indexed["Service"]
@@ -496,7 +496,7 @@ def job_specs():
              jobset["spec"]["network"]["subdomain"]),
             # JobSet's Service is named after the JobSet where the runtime names no subdomain.
             ("trainjob", trainer_applied(train["TrainingRuntime"], train["TrainJob"]),
-             f"{name}-{config.TRAINJOB_REPLICATED_JOB}-0-{{index}}", name)]
+             f"{name}-{worker_sources.TRAINJOB_REPLICATED_JOB}-0-{{index}}", name)]
 
 
 def trainer(spec):

@@ -11,7 +11,7 @@ import pytest
 import config
 import data
 import train_mnist_mirrored
-from config import EXIT_BAD_INPUT, UsageError
+from machinery.exits import EXIT_BAD_INPUT, UsageError
 from conftest import run_entrypoint, smoke_args
 
 # These tests read the entrypoint's stderr in this process.

@@ -17,7 +17,7 @@ import time
 
 import pytest
 
-import config
+from machinery import exits
 from machinery import sigterm
 from machinery import worker_group
 from machinery import worker_sources
@@ -62,7 +62,7 @@ def test_taken_port_is_one_line_and_its_peer_gives_up_naming_it(tmp_path, data_d
     finally:
         holder.close()
     print(f"taken port: both exited after {seconds:.1f} s")
-    assert statuses == [config.EXIT_PEER_LOST] * 2, [w.stderr[-2000:] for w in workers]
+    assert statuses == [exits.EXIT_PEER_LOST] * 2, [w.stderr[-2000:] for w in workers]
     taken, waiting = (error_lines(w.stderr) for w in workers)
     assert len(taken) == 1 and f"cannot listen on port {ports[0]}" in taken[0], workers[0].stderr[-3000:]
     assert "--slurm-port-base" in taken[0]
@@ -89,7 +89,7 @@ def test_sigterm_while_waiting_for_the_cluster_exits_143_at_once(tmp_path, data_
     finally:
         worker.proc.kill()
     print(f"SIGTERM while waiting for the cluster: exit {worker.returncode} after {seconds:.2f} s")
-    assert worker.returncode == config.EXIT_PREEMPTED
+    assert worker.returncode == exits.EXIT_PREEMPTED
     assert error_lines(worker.stderr) == [f"error: {sigterm.OUTSIDE_TRAINING}"]
 
 
@@ -161,7 +161,7 @@ def test_a_sigterm_noted_during_training_ends_the_run_as_training_ends():
     """One that came after the last step boundary's check: acted on in the main thread, where training ends."""
     proc = run_watched(True, "until(lambda: preemption.requested)\n"
                              "    try:\n        preemption.end_training()\n"
-                             "    except config.Preempted as err:\n        print('raised:', err)")
+                             "    except exits.Preempted as err:\n        print('raised:', err)")
     assert proc.returncode == 0 and proc.stdout == f"raised: {sigterm.OUTSIDE_TRAINING}\n", proc.stderr
 
 
@@ -177,7 +177,7 @@ def test_sigterm_outside_training_ends_the_process_from_its_own_thread(then):
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=subprocess_env(), capture_output=True,
                           text=True, timeout=EXIT_SECONDS)
     seconds = time.monotonic() - started
-    assert proc.returncode == config.EXIT_PREEMPTED
+    assert proc.returncode == exits.EXIT_PREEMPTED
     assert proc.stderr == f"error: {sigterm.OUTSIDE_TRAINING}\n"
     assert seconds < 30
     if "atexit" not in then:
@@ -199,7 +199,7 @@ def test_sigterm_while_the_results_are_written_is_ignored():
     assert finished.returncode == 0 and finished.stdout == "finished\n" and finished.stderr == "", finished.stderr
     # SIGTERM's thread is ending the process when the results are reached.
     ended = watched_run("pass", "until(lambda: preemption._ending)\n    preemption.finishing()")
-    assert ended.returncode == config.EXIT_PREEMPTED and ended.stdout == "", ended.stdout
+    assert ended.returncode == exits.EXIT_PREEMPTED and ended.stdout == "", ended.stdout
     assert ended.stderr == f"error: {sigterm.OUTSIDE_TRAINING}\n"
 
 
@@ -208,8 +208,8 @@ def test_slurm_port_base_comes_from_the_job_id():
     bases = {job: worker_sources.slurm_port_base(None, {"SLURM_JOB_ID": str(job)}) for job in range(100000, 100000 + 1400)}
     # Every job of a run of 1,400 consecutive ids gets a block of its own, below the ephemeral ports.
     assert len(set(bases.values())) == 1400
-    assert all(b % config.SLURM_PORTS_PER_JOB == 0 for b in bases.values())
-    assert min(bases.values()) >= config.SLURM_PORT_FIRST
-    assert max(bases.values()) + config.SLURM_PORTS_PER_JOB <= 32768
-    with pytest.raises(config.UsageError, match="SLURM_JOB_ID"):
+    assert all(b % worker_sources.SLURM_PORTS_PER_JOB == 0 for b in bases.values())
+    assert min(bases.values()) >= worker_sources.SLURM_PORT_FIRST
+    assert max(bases.values()) + worker_sources.SLURM_PORTS_PER_JOB <= 32768
+    with pytest.raises(exits.UsageError, match="SLURM_JOB_ID"):
         worker_sources.slurm_port_base(None, {"SLURM_JOB_ID": "12_3"})

@@ -20,6 +20,7 @@ import yaml
 import config
 from machinery import worker_sources
 from conftest import INDEXED_JOB, JOBSET, ROOT, TRAINJOB, documents, job_specs, skip_unless_ci, trainer
+from machinery import exits
 
 SBATCH = os.path.join(ROOT, "deploy", "slurm.sbatch")
 TFJOB = os.path.join(ROOT, "deploy", "tfjob.yaml")
@@ -179,9 +180,9 @@ def test_the_pod_failure_policy_carries_the_exit_status_contract(name, spec, hos
     assert rules[0]["action"] == {"indexed-job": "Ignore", "jobset": "FailJob", "trainjob": "FailJob"}[name]
     actions = [rule["action"] for rule in rules[1:]]
     assert actions == sorted(actions, key=["FailJob", "Count"].index)  # FailJob before Count
-    for code in config.PERMANENT_EXIT_STATUSES:
+    for code in exits.PERMANENT_EXIT_STATUSES:
         assert first_match(rules[1:], code) == "FailJob", code
-    for code in config.RETRYABLE_EXIT_STATUSES:
+    for code in exits.RETRYABLE_EXIT_STATUSES:
         assert first_match(rules[1:], code) == "Count", code
     # A replacement pod starts only once the pod it replaces has ended, so it never reads a backup being written;
     # the grace period is longer than Kubernetes' default 30 s, for the save.
@@ -276,7 +277,7 @@ def test_the_trainjob_runs_on_its_runtime_as_the_plainml_plugin_would():
     assert set(runtime["spec"]["mlPolicy"]) == {"numNodes"}
     jobset = runtime["spec"]["template"]["spec"]
     replicated, = jobset["replicatedJobs"]
-    assert replicated["name"] == config.TRAINJOB_REPLICATED_JOB
+    assert replicated["name"] == worker_sources.TRAINJOB_REPLICATED_JOB
     assert replicated["template"]["metadata"]["labels"] == {"trainer.kubeflow.org/trainjob-ancestor-step": "trainer"}
     # Host names <trainjob>-node-0-<i>.<trainjob>: one replicated job of one Job, and the JobSet's own subdomain.
     assert replicated.get("replicas", 1) == 1 and "subdomain" not in jobset["network"]
@@ -287,4 +288,4 @@ def test_the_trainjob_runs_on_its_runtime_as_the_plainml_plugin_would():
     assert {var["name"]: var["value"] for var in job["spec"]["trainer"]["env"]} == {"MNIST_WORKERS": str(workers)}
     env = {var["name"]: var for var in replicated["template"]["spec"]["template"]["spec"]["containers"][0]["env"]}
     assert env["MNIST_TRAINJOB"]["valueFrom"]["fieldRef"]["fieldPath"] == (
-        f"metadata.labels['{config.TRAINJOB_NAME_LABEL}']")
+        f"metadata.labels['{worker_sources.TRAINJOB_NAME_LABEL}']")

@@ -18,7 +18,7 @@ import tensorflow as tf
 
 import data
 import prepare_mnist
-from config import EXIT_OK, EXIT_PREEMPTED
+from machinery.exits import EXIT_OK, EXIT_PREEMPTED
 from conftest import (ROOT, Worker, finish, free_ports, images_at, make_split, max_abs_diff, subprocess_env,
                       write_idx_dir)
 

@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-from config import EXIT_BAD_INPUT, EXIT_PREEMPTED
+from machinery.exits import EXIT_BAD_INPUT, EXIT_PREEMPTED
 from conftest import ROOT, Worker, finish, subprocess_env
 
 FLAGS = ["--epochs", "2", "--batch-size-per-replica", "8", "--steps-per-execution", "5"]

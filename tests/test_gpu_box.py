@@ -7,7 +7,8 @@ import pytest
 import tensorflow as tf
 
 from machinery import gpu_box
-from config import EXIT_BAD_INPUT, Config, UsageError
+from config import Config
+from machinery.exits import EXIT_BAD_INPUT, UsageError
 from conftest import run_entrypoint, smoke_args
 
 TWO_GPUS = """#!/bin/sh

@@ -20,7 +20,7 @@ import time
 
 import pytest
 
-import config
+from machinery import exits, worker_sources
 import netns
 import train_mnist_mirrored
 from conftest import (ROOT, Worker, apply_env, assert_one_port_warning, assert_refused_in_one_line, backed_up_images,
@@ -125,7 +125,7 @@ def test_a_pod_killed_mid_epoch_ends_the_other_with_138_and_one_line(restart):
           f"{restart.again_seconds} s")
     assert restart.statuses[1] == -9
     pod0 = restart.first[0]
-    assert restart.statuses[0] == config.EXIT_PEER_LOST, pod0.stderr[-3000:]
+    assert restart.statuses[0] == exits.EXIT_PEER_LOST, pod0.stderr[-3000:]
     assert "Traceback" not in pod0.stderr
     last = pod0.last_stderr_line
     assert last.startswith("error: lost worker 1 ") and "restart every worker with the same command" in last, last
@@ -187,7 +187,7 @@ def test_bad_pod_variables_are_refused_in_one_line(changes, words, pod_env, tmp_
 @pytest.mark.parametrize("changes, words", [
     ({"MNIST_WORKERS": None}, ["MNIST_WORKERS not set", "TrainJob's pod", "deploy/trainjob.yaml"]),
     ({"JOB_COMPLETION_INDEX": "2"}, ["JOB_COMPLETION_INDEX=2", "MNIST_WORKERS=2", "numNodes"]),
-    ({"MNIST_TRAINJOB": "Mnist_Job"}, ["MNIST_TRAINJOB='Mnist_Job'", config.TRAINJOB_NAME_LABEL]),
+    ({"MNIST_TRAINJOB": "Mnist_Job"}, ["MNIST_TRAINJOB='Mnist_Job'", worker_sources.TRAINJOB_NAME_LABEL]),
     # An Indexed Job's variable beside the TrainJob's: the TrainJob's are read (the host pattern is not).
     ({"MNIST_WORKER_HOST": "x", "MNIST_WORKER_PORT": "0"}, ["MNIST_WORKER_PORT=0", "deploy/trainjob.yaml"]),
 ], ids=["no-count", "index-too-big", "name-not-a-dns-label", "wins-over-the-indexed-job"])
@@ -199,7 +199,7 @@ def test_bad_trainjob_variables_are_refused_in_one_line(changes, words, pod_env,
 def test_tf_config_wins_over_the_pod_variables(pod_env, monkeypatch, tmp_path, capsys):
     pod_env(MNIST_WORKERS="broken")
     rc, line = run_under_broken_tf_config(monkeypatch, tmp_path, capsys)
-    assert rc == config.EXIT_BAD_INPUT and "TF_CONFIG" in line and "MNIST_WORKERS" not in line
+    assert rc == exits.EXIT_BAD_INPUT and "TF_CONFIG" in line and "MNIST_WORKERS" not in line
 
 
 @pytest.mark.slow
@@ -222,7 +222,7 @@ def test_variables_naming_another_job_are_refused_in_the_pod(name, variable, old
                            "--output-dir", str(tmp_path / "out")],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     lines = proc.stderr.strip().splitlines()
-    assert proc.returncode == config.EXIT_BAD_INPUT
+    assert proc.returncode == exits.EXIT_BAD_INPUT
     assert len(lines) == 1 and lines[0].startswith(f"error: {variable}="), lines
     named = own.replace(JOB if name == "indexed-job" else own.split("-node-")[0], "old-name")
     assert f"names this pod {named}." in lines[0] and f"its host name is {own};" in lines[0], lines[0]

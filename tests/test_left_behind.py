@@ -25,6 +25,7 @@ from machinery import scratch
 from machinery import sigterm
 from machinery import terminal
 from test_cluster_start import error_lines
+from machinery import exits
 
 
 def documented_outputs():
@@ -204,7 +205,7 @@ def test_a_node_that_runs_stopped_and_restarted_jobs_keeps_nothing(tmp_path):
         finish([prepare], EXIT_SECONDS)
     finally:
         prepare.proc.kill()
-    assert prepare.returncode == config.EXIT_PREEMPTED, prepare.stderr[-3000:]
+    assert prepare.returncode == exits.EXIT_PREEMPTED, prepare.stderr[-3000:]
     assert one_error_line(prepare).startswith("error: stopped (SIGTERM); no half-written dataset was kept")
     assert os.listdir(stopped_data / "mnist") == []  # neither the dataset nor tfds's incomplete folder
 
@@ -229,7 +230,7 @@ def test_a_node_that_runs_stopped_and_restarted_jobs_keeps_nothing(tmp_path):
         finish([run], EXIT_SECONDS)
     finally:
         run.proc.kill()
-    assert run.returncode == config.EXIT_INTERRUPTED, run.stderr[-3000:]
+    assert run.returncode == exits.EXIT_INTERRUPTED, run.stderr[-3000:]
     assert run.stderr.count("\n") == 1 and one_error_line(run).startswith("error: interrupted;"), run.stderr
 
     # Two workers, one SIGKILLed in epoch 2; the other leaves (138); both restarted to the end.
@@ -238,7 +239,7 @@ def test_a_node_that_runs_stopped_and_restarted_jobs_keeps_nothing(tmp_path):
     try:
         chief.wait_for(f"Epoch 2/{EPOCHS}")
         worker.proc.kill()
-        assert finish([chief], 300) == [config.EXIT_PEER_LOST], chief.stderr[-3000:]
+        assert finish([chief], 300) == [exits.EXIT_PEER_LOST], chief.stderr[-3000:]
     finally:
         finish([chief, worker], EXIT_SECONDS)
     restarted_to_the_end(tmp_path, "lost_again", data_dir, lost_out, env)
@@ -250,7 +251,7 @@ def test_a_node_that_runs_stopped_and_restarted_jobs_keeps_nothing(tmp_path):
         workers[0].wait_for(f"Epoch 2/{EPOCHS}")
         for w in workers:
             w.proc.terminate()
-        assert finish(workers, EXIT_SECONDS) == [config.EXIT_PREEMPTED] * 2, [w.stderr[-3000:] for w in workers]
+        assert finish(workers, EXIT_SECONDS) == [exits.EXIT_PREEMPTED] * 2, [w.stderr[-3000:] for w in workers]
     finally:
         finish(workers, EXIT_SECONDS)
     restarted_to_the_end(tmp_path, "preempted_again", data_dir, preempted_out, env)

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from machinery import resume
-from config import EXIT_PREEMPTED
+from machinery.exits import EXIT_PREEMPTED
 from conftest import EXIT_SECONDS, Worker, final_weights, finish, run_entrypoint, wait_until
 
 # Each test here starts whole training runs.

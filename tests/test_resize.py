@@ -17,7 +17,8 @@ import callbacks
 import data
 from machinery import resume
 import train_mnist_mirrored
-from config import Config, EXIT_BAD_INPUT, EXIT_OK, EXIT_PREEMPTED, UsageError
+from config import Config
+from machinery.exits import EXIT_BAD_INPUT, EXIT_OK, EXIT_PREEMPTED, UsageError
 from conftest import EXIT_SECONDS, WAIT_SECONDS, Worker, finish, free_ports
 from test_multi_gpu_options import expected_rate
 

@@ -19,6 +19,7 @@ from machinery import run_lock
 import train_mnist_mirrored
 from machinery import worker_sources
 from conftest import Worker, backed_up_images, finish, images_at, run_entrypoint, smoke_args
+from machinery import exits
 
 HANDSHAKE_SECONDS = 120  # a guard against a hang: TensorFlow is not loaded before the lock is taken
 
@@ -68,7 +69,7 @@ def test_a_second_run_into_a_held_folder_is_refused_and_the_first_finishes(tmp_p
         first.proc.kill()
     print(f"\nthe second run was refused in {second_seconds:.1f} s")
     lines = second.stderr.strip().splitlines()
-    assert second.returncode == config.EXIT_BAD_INPUT, second.stderr[-3000:]
+    assert second.returncode == exits.EXIT_BAD_INPUT, second.stderr[-3000:]
     assert len(lines) == 1 and lines[0].startswith(f"error: {output_dir} is in use by another run"), lines
     assert f"host {socket.gethostname()}, process id {first.proc.pid}, started " in lines[0], lines[0]
     assert "choose another --output-dir" in lines[0]
@@ -132,7 +133,7 @@ def test_the_chief_of_each_source_is_refused_where_another_run_holds_the_folder(
         holder.stdin.close()
         holder.wait(timeout=30)
     lines = capsys.readouterr().err.strip().splitlines()
-    assert status == config.EXIT_BAD_INPUT and len(lines) == 1, lines
+    assert status == exits.EXIT_BAD_INPUT and len(lines) == 1, lines
     assert lines[0].startswith(f"error: {output_dir} is in use by another run (a run that has not yet said"), lines
     assert os.listdir(output_dir) == [lock.name]
 
@@ -168,5 +169,5 @@ def test_a_refused_run_that_made_the_folder_leaves_nothing(tmp_path, capsys):
     """The lock comes before checks that need TensorFlow; a run refused by one of them takes the folder away again."""
     output_dir = tmp_path / "new" / "out"
     status = train_mnist_mirrored.main(["--devices", "/gpu:7", "--output-dir", str(output_dir)])
-    assert status == config.EXIT_BAD_INPUT, capsys.readouterr().err
+    assert status == exits.EXIT_BAD_INPUT, capsys.readouterr().err
     assert os.listdir(tmp_path) == []

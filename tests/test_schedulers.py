@@ -12,6 +12,7 @@ import config
 from machinery import worker_group
 from machinery import terminal
 import train_mnist_mirrored
+from machinery import exits
 from conftest import (Worker, apply_env, assert_one_port_warning, assert_refused_in_one_line, finish, free_ports,
                       run_under_broken_tf_config, smoke_args)
 
@@ -103,7 +104,7 @@ def test_tfjob_worker_lost_exits_138_and_restart_resumes(tmp_path, data_dir):
         status = chief.proc.wait(timeout=300)  # a guard against a hang; the survivor takes seconds
     finally:
         finish([chief, worker])
-    assert status == config.EXIT_PEER_LOST, chief.stderr[-3000:]
+    assert status == exits.EXIT_PEER_LOST, chief.stderr[-3000:]
     # One line says what was lost and what to do, and it is the last; no Python traceback.
     assert "Traceback" not in chief.stderr
     last = chief.last_stderr_line
@@ -250,4 +251,4 @@ def test_tf_config_wins_over_slurm(slurm_step, tmp_path, monkeypatch, capsys):
     """With TF_CONFIG set, srun's variables are not read: even broken ones do not matter."""
     slurm_step(SLURM_PROCID="broken")
     rc, line = run_under_broken_tf_config(monkeypatch, tmp_path, capsys)
-    assert rc == config.EXIT_BAD_INPUT and "TF_CONFIG" in line and "SLURM" not in line
+    assert rc == exits.EXIT_BAD_INPUT and "TF_CONFIG" in line and "SLURM" not in line

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-import config
+from machinery import exits
 import netns
 from conftest import EXIT_SECONDS, Worker, backed_up_images, images_at, skip_unless_ci, started, wait_for_backup_after
 
@@ -95,7 +95,7 @@ def test_a_partition_ends_both_workers_with_138_and_one_line_within_the_heartbea
     print(f"\nworker 1's link down: (exit status, seconds after) {partition.ends}")
     for index, (status, seconds) in partition.ends.items():
         worker = partition.first[index]
-        assert status == config.EXIT_PEER_LOST, worker.stderr[-3000:]
+        assert status == exits.EXIT_PEER_LOST, worker.stderr[-3000:]
         assert seconds < PARTITION_EXIT_SECONDS, partition.ends
         assert "Traceback" not in worker.stderr
         last = worker.last_stderr_line

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from config import EXIT_OK, EXIT_PREEMPTED
+from machinery.exits import EXIT_OK, EXIT_PREEMPTED
 from conftest import EXIT_SECONDS, SMOKE_BATCH, SMOKE_EPOCHS, SMOKE_STEPS, Worker, finish, smoke_args, wait_until
 
 # Each test here starts whole training runs.

@@ -93,7 +93,7 @@ def test_backup_and_restore_callback_internals(tmp_path):
 
 
 def backup_callback(model, backup_dir):
-    """A BackupAndRestore with its training state, as resume.Backup sets them up at train begin."""
+    """A BackupAndRestore with its training state, as callbacks.Backup sets them up at train begin."""
     callback = keras.callbacks.BackupAndRestore(str(backup_dir), save_freq=5, delete_checkpoint=False)
     callback.set_model(model)
     tf_private.build_optimizer(model)
@@ -118,7 +118,7 @@ def test_the_chief_keeps_the_backups_asked_for(tmp_path):
 
 
 def test_a_chosen_backup_is_restored_with_what_it_also_saved(tmp_path):
-    """What resume.Backup does: each backup also saves the record; a restart restores the one it chose, not the
+    """What callbacks.Backup does: each backup also saves the record; a restart restores the one it chose, not the
     newest, and reads the record it holds."""
     model = tiny_model()
     callback, state = backup_callback(model, tmp_path)
@@ -169,7 +169,7 @@ def test_the_backups_model_and_optimizer_are_told_by_their_names(tmp_path, fused
 
 
 def test_fit_resumes_at_the_position_set_in_the_training_state(tmp_path):
-    """What resume.Backup does at train begin: its own training state, with the counters of the last backup;
+    """What callbacks.Backup does at train begin: its own training state, with the counters of the last backup;
     `fit` must then resume there (epoch 2, after step 3)."""
     seen = []
 
