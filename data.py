@@ -27,16 +27,14 @@ def load(name, data_dir=None, idx_dir=None):
     files itself. Fails fast offline; with `idx_dir`, a data dir that holds no prepared `name` is prepared from
     the IDX files there first."""
     if data_dir is not None and not tf.io.gfile.isdir(data_dir) and idx_dir is None:
-        raise UsageError(f"--data-dir {data_dir} does not exist; prepare it with: "
-                         f"{prepare_mnist.hint(name)} --data-dir {data_dir}")
+        raise UsageError(f"--data-dir {data_dir} does not exist; {prepare_mnist.hint(name, data_dir)}")
     builder = tfds_builders.builder(name, data_dir)
     if not tfds_builders.is_prepared(builder):
         if idx_dir is not None:
             prepare_mnist.prepare(idx_dir, data_dir, name=name, exist_ok=True)
         elif not tfds_builders.online():
             raise UsageError(f"no prepared {name} in {data_dir or builder.data_dir} and no internet to download it; "
-                             f"run: {prepare_mnist.hint(name)} --data-dir {data_dir or '~/tensorflow_datasets'}, "
-                             "or pass --idx-dir DIR_WITH_IDX_FILES")
+                             f"{prepare_mnist.hint(name, data_dir or '~/tensorflow_datasets')}")
     try:
         # download_and_prepare does nothing for a prepared dir, and downloads (as tfds.load does) otherwise.
         builder = tfds_builders.builder(name, data_dir)

@@ -59,9 +59,13 @@ def read_idx(path, ndim):
     return np.frombuffer(raw, np.uint8, offset=header).reshape(dims)
 
 
-def hint(name):
-    """The prepare command for the dataset `name`."""
-    return HINT if name == Config.dataset else f"{HINT} --dataset {name}"
+def hint(name, data_dir="DIR"):
+    """How to prepare the dataset `name` offline into `data_dir`: this command for a dataset of MNIST's kind, tfds's
+    own where there is internet for any other."""
+    if tfds_builders.builder(name).info.features["image"].shape[-1] != 1:
+        return f"prepare it where there is internet with: tfds build {name} --data_dir {data_dir}, and copy it here"
+    dataset = "" if name == Config.dataset else f" --dataset {name}"
+    return f"run: {HINT}{dataset} --data-dir {data_dir}, or pass --idx-dir DIR_WITH_IDX_FILES"
 
 
 def refuse_another_kind(name, info):

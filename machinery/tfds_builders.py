@@ -116,14 +116,15 @@ def image_features(image_shape, num_classes):
                                        LABEL: tfds.features.ClassLabel(num_classes=num_classes)})
 
 
-def from_arrays(name, splits, data_dir=None, *, features=None):
-    """A builder that prepares `splits` ({split: (images, labels)}, uint8 images of shape (N, height, width,
-    channels)) as the dataset `name` in `data_dir`. A registered name keeps its own class, features and version;
-    another takes `features`, or an image and label feature of the arrays' shape and labels."""
+def arrays_builder(name, splits, *, features=None):
+    """A builder class that prepares `splits` ({split: (images, labels)}, uint8 images of shape (N, height, width,
+    channels)) as the dataset `name`. A registered name keeps its own class, features and version; another takes
+    `features`, or an image and a label feature of the arrays' shape and labels."""
     base = registered(name)
     if base is None:
-        images, labels = next(iter(splits.values()))
-        features = features or image_features(images.shape[1:], int(max(int(np.max(l)) for _, l in splits.values())) + 1)
+        images, _ = next(iter(splits.values()))
+        num_classes = max(int(np.max(labels)) for _, labels in splits.values()) + 1
+        features = features or image_features(images.shape[1:], num_classes)
 
         class Unregistered(tfds.core.GeneratorBasedBuilder, skip_registration=True):
             VERSION = tfds.core.Version(UNREGISTERED_VERSION)
@@ -142,11 +143,11 @@ def from_arrays(name, splits, data_dir=None, *, features=None):
                 yield index, {IMAGE: image, LABEL: int(label)}
 
     FromArrays.name = name
-    return tf_private.without_prepare_lines(made_tidily(FromArrays, data_dir=data_dir))
+    return FromArrays
 
 
 def write_prepared(name, splits, data_dir=None, *, exist_ok=False, features=None, source=""):
-    """Writes `splits` as a prepared tfds dataset `name` under `data_dir` (from_arrays); returns its path. `source`
+    """Writes `splits` as a prepared tfds dataset `name` under `data_dir` (arrays_builder); returns its path. `source`
     says where the arrays came from, in the line that says what is being prepared.
 
     tfds writes into an "incomplete" temporary folder and renames it when done, so a killed prepare leaves no
@@ -155,7 +156,8 @@ def write_prepared(name, splits, data_dir=None, *, exist_ok=False, features=None
     root = data_dir or tfds.core.constants.DATA_DIR
     with prepare_lock(root, name):
         # Made under the lock, so that it sees what a prepare that held the lock before wrote.
-        built = from_arrays(name, splits, data_dir, features=features)
+        built = tf_private.without_prepare_lines(made_tidily(arrays_builder(name, splits, features=features),
+                                                             data_dir=data_dir))
         if is_prepared(built):
             if exist_ok:
                 return built.data_dir

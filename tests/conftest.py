@@ -1,6 +1,8 @@
-"""Shared fixtures: tiny learnable MNIST IDX files, a prepared tfds data dir, and one smoke run.
+"""Shared fixtures: a tiny learnable dataset of the configured name (config.Config.dataset), prepared as tfds would,
+its MNIST IDX files for the offline prepare, and one smoke run.
 
-Nothing here reads ../shared or the network; every byte of data is made below.
+Nothing here reads ../shared or the network; every byte of data is made below, in the shape and classes the
+dataset's DatasetInfo declares.
 """
 
 import gzip
@@ -68,35 +70,55 @@ def write_gz(path, payload):
 
 
 def write_idx_dir(directory, arrays):
-    """Writes the four standard gzip IDX files for {"train": (images, labels), "test": (...)}."""
+    """Writes the four standard gzip IDX files for {"train": (images, labels), "test": (...)}, images of one
+    channel (MNIST's format)."""
     os.makedirs(directory, exist_ok=True)
     for split, (images, labels) in arrays.items():
         images_name, labels_name = IDX_NAMES[split]
-        write_gz(os.path.join(directory, images_name + ".gz"), idx_images_bytes(images))
+        write_gz(os.path.join(directory, images_name + ".gz"), idx_images_bytes(np.asarray(images)[..., 0]))
         write_gz(os.path.join(directory, labels_name + ".gz"), idx_labels_bytes(labels))
     return str(directory)
 
 
-def make_images(labels, rng):
+def make_images(labels, rng, image_shape):
     """Each class is a distinct bright block on a 4x4 grid of positions (7x7 pixels in MNIST's 28x28), over
-    faint noise."""
-    import data  # TensorFlow loads with it, so only once data is made
-
-    (height, width, _), _ = data.image_shape_and_classes()
+    faint noise, in every channel."""
+    height, width, channels = image_shape
     rows, cols = height // 4, width // 4
-    images = rng.integers(0, 40, size=(len(labels), height, width), dtype=np.uint8)
+    images = rng.integers(0, 40, size=(len(labels), height, width, channels), dtype=np.uint8)
     for i, label in enumerate(labels):
         row, col = divmod(int(label), 4)
-        images[i, row * rows:(row + 1) * rows, col * cols:(col + 1) * cols] = rng.integers(200, 256, size=(rows, cols))
+        images[i, row * rows:(row + 1) * rows, col * cols:(col + 1) * cols] = rng.integers(
+            200, 256, size=(rows, cols, channels))
     return images
 
 
-def make_split(n, rng):
-    import data
+def make_split(n, rng, image_shape=None, num_classes=None):
+    """A learnable split of `n` examples: the configured dataset's image shape and classes unless given."""
+    if image_shape is None:
+        import data  # TensorFlow loads with it, so only once data is made
 
-    _, num_classes = data.image_shape_and_classes()
+        image_shape, num_classes = data.image_shape_and_classes()
     labels = rng.permutation(np.arange(n) % num_classes).astype(np.uint8)
-    return make_images(labels, rng), labels
+    return make_images(labels, rng, image_shape), labels
+
+
+def dataset_folder(data_dir):
+    """Where tfds keeps the configured dataset in `data_dir`: DATA_DIR/NAME/VERSION."""
+    from config import Config
+    from machinery import tfds_builders
+
+    return pathlib.Path(data_dir) / Config.dataset / str(tfds_builders.builder(Config.dataset).info.version)
+
+
+def write_dataset(directory, arrays, name=None):
+    """`arrays` ({"train": (images, labels), "test": ...}) as a prepared tfds dataset `name` (the configured one
+    unless given) in the data dir `directory`; returns the data dir."""
+    from config import Config
+    from machinery import tfds_builders
+
+    tfds_builders.write_prepared(name or Config.dataset, arrays, str(directory))
+    return str(directory)
 
 
 # ---------------------------------------------------------------- fixtures
@@ -135,35 +157,29 @@ def root():
 
 
 @pytest.fixture(scope="session")
-def mnist_arrays():
+def dataset_arrays():
+    """The small dataset's splits, {split: (images, labels)}: uint8 images as tfds yields them."""
     rng = np.random.default_rng(1234)
     return {"train": make_split(NUM_TRAIN, rng), "test": make_split(NUM_TEST, rng)}
 
 
 @pytest.fixture(scope="session")
-def idx_dir(tmp_path_factory, mnist_arrays):
-    return write_idx_dir(tmp_path_factory.mktemp("idx"), mnist_arrays)
+def idx_dir(tmp_path_factory, dataset_arrays):
+    """The small dataset as MNIST's four IDX files, for the offline prepare (prepare_mnist.py)."""
+    return write_idx_dir(tmp_path_factory.mktemp("idx"), dataset_arrays)
 
 
 @pytest.fixture(scope="session")
-def data_dir(tmp_path_factory, idx_dir):
-    import prepare_mnist
-
-    target = str(tmp_path_factory.mktemp("tfds") / "data")
-    prepare_mnist.prepare(idx_dir, target)
-    return target
+def data_dir(tmp_path_factory, dataset_arrays):
+    return write_dataset(tmp_path_factory.mktemp("tfds") / "data", dataset_arrays)
 
 
 @pytest.fixture(scope="session")
 def resume_data_dir(tmp_path_factory):
     """A larger split (1,600 training images), so that an epoch lasts long enough to be interrupted inside it."""
-    import prepare_mnist
-
     rng = np.random.default_rng(99)
-    idx = write_idx_dir(tmp_path_factory.mktemp("idx_resume"), {"train": make_split(1600, rng), "test": make_split(64, rng)})
-    target = str(tmp_path_factory.mktemp("tfds_resume") / "data")
-    prepare_mnist.prepare(idx, target)
-    return target
+    return write_dataset(tmp_path_factory.mktemp("tfds_resume") / "data",
+                         {"train": make_split(1600, rng), "test": make_split(64, rng)})
 
 
 @pytest.fixture(scope="session")

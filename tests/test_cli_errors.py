@@ -11,6 +11,7 @@ import pytest
 import config
 import data
 import train_mnist_mirrored
+from machinery import tfds_builders
 from machinery.exits import EXIT_BAD_INPUT, UsageError
 from conftest import run_entrypoint, smoke_args
 
@@ -175,7 +176,7 @@ def test_multiworker_needs_a_valid_tf_config(tf_config, words, quick_args, tmp_p
 # ---------------------------------------------------------------- no prepared data, offline
 
 def test_missing_prepared_data_points_at_prepare_mnist(tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(data, "DOWNLOAD_HOST", CLOSED_PORT)
+    monkeypatch.setattr(tfds_builders, "DOWNLOAD_HOST", CLOSED_PORT)
     monkeypatch.delenv("TF_CONFIG", raising=False)
     empty = tmp_path / "empty_tfds"
     empty.mkdir()
@@ -189,7 +190,7 @@ def test_missing_prepared_data_points_at_prepare_mnist(tmp_path, monkeypatch, ca
 
 
 def test_nonexistent_data_dir_points_at_prepare_mnist(tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(data, "DOWNLOAD_HOST", CLOSED_PORT)
+    monkeypatch.setattr(tfds_builders, "DOWNLOAD_HOST", CLOSED_PORT)
     monkeypatch.delenv("TF_CONFIG", raising=False)
     missing = tmp_path / "no_such_dir"
     rc = train_mnist_mirrored.main(smoke_args(str(missing), str(tmp_path / "out")))

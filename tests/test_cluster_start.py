@@ -130,8 +130,7 @@ def test_progress_figures_mid_epoch_are_those_of_one_replica(two_workers):
 # started before SIGTERM was blocked could take the signal instead.
 WATCHED = """
 import os, signal, sys, time
-import config
-from machinery import sigterm
+from machinery import exits, sigterm
 
 def until(condition):  # a handshake with SIGTERM's thread, within a few seconds
     deadline = time.monotonic() + 10

@@ -1,5 +1,5 @@
 """No replica ever gets an empty training batch: TensorFlow 2.21's oneDNN MaxPoolGrad aborts the process on one
-on some CPUs. A global batch smaller than the replica count is padded with examples of weight 0 (data.padded);
+on some CPUs. A global batch smaller than the replica count is padded with examples of weight 0 (input_engine.padded);
 every image is still trained once an epoch, each step's update is that of its real examples, and runs whose
 last global batch holds one example finish: on two logical CPU replicas after a resize-resume whose rest of
 the epoch is one image, and on two workers."""
@@ -17,10 +17,10 @@ import pytest
 import tensorflow as tf
 
 import data
-import prepare_mnist
+from machinery import input_engine
 from machinery.exits import EXIT_OK, EXIT_PREEMPTED
 from conftest import (ROOT, Worker, finish, free_ports, images_at, make_split, max_abs_diff, subprocess_env,
-                      write_idx_dir)
+                      write_dataset)
 
 REPRODUCER = os.path.join(ROOT, "docs", "upstream", "empty_batch_maxpoolgrad.py")
 NUM_TRAIN = 17  # one more than a global batch of 16, or four of 4: every epoch ends with a batch of one example
@@ -30,11 +30,8 @@ EPOCHS = 2
 @pytest.fixture(scope="module")
 def odd_data_dir(tmp_path_factory):
     rng = np.random.default_rng(17)
-    idx = write_idx_dir(tmp_path_factory.mktemp("idx_odd"), {"train": make_split(NUM_TRAIN, rng),
-                                                             "test": make_split(16, rng)})
-    target = str(tmp_path_factory.mktemp("tfds_odd") / "data")
-    prepare_mnist.prepare(idx, target)
-    return target
+    return write_dataset(tmp_path_factory.mktemp("tfds_odd") / "data", {"train": make_split(NUM_TRAIN, rng),
+                                                                        "test": make_split(16, rng)})
 
 
 # ---------------------------------------------------------------- the stream
@@ -43,15 +40,16 @@ def _epochs_seen(num_examples, *, global_batch, replicas, shares, first_image=0,
     """Per epoch, the steps of each input pipeline as (labels, weights); the images are their own indices."""
     images = tf.constant(np.arange(num_examples, dtype=np.uint8).reshape(-1, 1, 1, 1))
     labels = tf.range(num_examples, dtype=tf.int64)
-    steps = data.steps_per_epoch(num_examples - first_image, global_batch)
-    stream = data.Stream(num_examples=num_examples, global_batch=global_batch, buffer_size=8, seed=3, epochs=epochs,
+    steps = input_engine.steps_per_epoch(num_examples - first_image, global_batch)
+    stream = input_engine.Stream(num_examples=num_examples, global_batch=global_batch, buffer_size=8, seed=3, epochs=epochs,
                          first_image=first_image)
-    streams = [iter(data.step_batches(images, labels, stream, pad_to=replicas if replicas > 1 else None,
-                                      share=(index, shares)))
+    split = input_engine.Split(None, "train", images, labels)
+    streams = [iter(input_engine.step_batches(split, stream, data.RECIPE, pad_to=replicas if replicas > 1 else None,
+                                              share=(index, shares)))
                for index in range(shares)]
     seen = []
     for epoch in range(epochs):
-        count = steps if epoch == 0 else data.steps_per_epoch(num_examples, global_batch)
+        count = steps if epoch == 0 else input_engine.steps_per_epoch(num_examples, global_batch)
         seen.append([[tuple(t.numpy().tolist() for t in next(stream)[1:]) for stream in streams]
                      for _ in range(count)])
     return seen
@@ -68,7 +66,7 @@ def test_every_image_once_an_epoch_and_no_empty_share(global_batch, replicas, sh
     epochs = _epochs_seen(NUM_TRAIN, global_batch=global_batch, replicas=replicas, shares=shares,
                           first_image=first_image)
     for number, epoch in enumerate(epochs):
-        order = list(data.epoch_order(NUM_TRAIN, buffer_size=8, seed=3, epoch=number).as_numpy_iterator())
+        order = list(data.shuffle(tf.data.Dataset.range(NUM_TRAIN), buffer_size=8, seed=3 + number).as_numpy_iterator())
         trained = [label for step in epoch for labels, weights in step for label, weight in zip(labels, weights)
                    if weight == 1]
         # In the epoch's seeded order, from the resumed image on, each image once, with weight 1.
@@ -102,6 +100,7 @@ UPDATE_SCRIPT = textwrap.dedent("""
     cpu = tf.config.list_physical_devices("CPU")[0]
     tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
     import data
+    from machinery import input_engine
     from model import build_model, keras
 
     strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
@@ -114,8 +113,10 @@ UPDATE_SCRIPT = textwrap.dedent("""
         initial = build_model(image_shape, num_classes).get_weights()
     out = {"initial": [w.tolist() for w in initial]}
     for replicas in (2, 1):  # 1: not padded, so the last batch of one example leaves the second replica empty
-        stream = data.step_batches(images, labels, data.Stream(num_examples=17, global_batch=8, buffer_size=8, seed=3,
-                                                               epochs=2), pad_to=replicas if replicas > 1 else None)
+        stream = input_engine.step_batches(
+            input_engine.Split(None, "train", images, labels),
+            input_engine.Stream(num_examples=17, global_batch=8, buffer_size=8, seed=3, epochs=2), data.RECIPE,
+            pad_to=replicas if replicas > 1 else None)
         with strategy.scope():
             model = build_model(image_shape, num_classes)
             model.set_weights(initial)
@@ -141,7 +142,7 @@ def test_padding_leaves_each_update_that_of_the_real_examples(tmp_path):
 
 @pytest.mark.slow
 def test_tensorflow_still_aborts_on_an_empty_batch_probe(tmp_path):
-    """The probe that tells when data.padded can go: docs/upstream/empty_batch_maxpoolgrad.py, run as TensorFlow
+    """The probe that tells when input_engine.padded can go: docs/upstream/empty_batch_maxpoolgrad.py, run as TensorFlow
     comes (oneDNN on) and with oneDNN off. Off, it must run on any CPU (else the reproducer is broken); on, it
     aborts on some CPUs only, and the test says which it did here."""
     def probe(**env):
@@ -158,7 +159,7 @@ def test_tensorflow_still_aborts_on_an_empty_batch_probe(tmp_path):
         assert "MaxPooling" in on.stderr or "Check failed" in on.stderr, on.stderr[-3000:]
     warnings.warn(f"TensorFlow {tf.__version__} {'still aborts' if aborted else 'no longer aborts'} on an empty "
                   f"batch's MaxPoolGrad on this CPU ({_cpu_model()}): "
-                  f"{'keep' if aborted else 'if no CPU aborts, remove'} data.padded")
+                  f"{'keep' if aborted else 'if no CPU aborts, remove'} input_engine.padded")
 
 
 def _cpu_model():

@@ -83,14 +83,14 @@ def test_learning_rate_prints_as_the_float32_it_is(rate, shown, capsys):
 
 # ---------------------------------------------------------------- the offline prepare
 
-def test_offline_prepare_says_what_it_does_and_nothing_else(tmp_path, idx_dir, capfd, caplog):
+def test_offline_mnist_prepare_says_what_it_does_and_nothing_else(tmp_path, idx_dir, capfd, caplog):
     """The first offline run (`--idx-dir DIR --data-dir NEW`) printed tfds's warning that the dataset folder it
     had not made yet "has no dataset_info.json", twice, and "Downloading and preparing dataset Unknown size"."""
     import data
     from conftest import NUM_TRAIN
 
     target = tmp_path / "tfds"
-    info = data.mnist_info(str(target), idx_dir)
+    info = data.load("mnist", str(target), idx_dir)
     out, err = capfd.readouterr()
     assert info.splits["train"].num_examples == NUM_TRAIN
     assert "dataset_info.json" not in out + err + caplog.text  # absl's warnings reach pytest as log records

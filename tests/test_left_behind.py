@@ -20,7 +20,9 @@ import pytest
 
 import config
 import prepare_mnist
-from conftest import (EXIT_SECONDS, ROOT, Worker, finish, free_ports, make_split, wait_until, write_idx_dir)
+from config import Config
+from conftest import (EXIT_SECONDS, ROOT, Worker, dataset_folder, finish, free_ports, make_split, wait_until,
+                      write_idx_dir)
 from machinery import scratch
 from machinery import sigterm
 from machinery import terminal
@@ -105,13 +107,13 @@ def test_a_process_ended_from_inside_the_block_removes_its_folder(empty_tmpdir):
 
 
 def test_the_offline_prepare_leaves_no_temporary_folder(empty_tmpdir, idx_dir, tmp_path, capsys):
-    """tfds's builder makes an empty tmp*tfds folder each time it looks for MNIST's metadata offline."""
+    """tfds's builder makes an empty tmp*tfds folder each time it looks for the dataset's metadata offline."""
     assert prepare_mnist.main(["--idx-dir", idx_dir, "--data-dir", str(tmp_path / "data")]) == 0
     out = capsys.readouterr().out.splitlines()
     assert os.listdir(empty_tmpdir) == []
     # Its progress, one closing line and how to train on it.
-    assert out == [f"preparing mnist in {tmp_path / 'data'} from the IDX files in {idx_dir}",
-                   f"prepared mnist in {tmp_path / 'data' / 'mnist' / '3.0.1'}",
+    assert out == [f"preparing {Config.dataset} in {tmp_path / 'data'} from the IDX files in {idx_dir}",
+                   f"prepared {Config.dataset} in {dataset_folder(tmp_path / 'data')}",
                    f"train with: python train_mnist_mirrored.py --data-dir {tmp_path / 'data'}"]
 
 
@@ -198,7 +200,7 @@ def test_a_node_that_runs_stopped_and_restarted_jobs_keeps_nothing(tmp_path):
                      script="prepare_mnist.py")
     def writing():  # into tfds's incomplete folder, renamed when whole
         assert prepare.proc.poll() is None, prepare.stderr[-3000:]
-        return (stopped_data / "mnist").is_dir() and os.listdir(stopped_data / "mnist")
+        return (stopped_data / Config.dataset).is_dir() and os.listdir(stopped_data / Config.dataset)
     try:
         wait_until(writing, "prepare writing")
         prepare.proc.terminate()
@@ -207,16 +209,16 @@ def test_a_node_that_runs_stopped_and_restarted_jobs_keeps_nothing(tmp_path):
         prepare.proc.kill()
     assert prepare.returncode == exits.EXIT_PREEMPTED, prepare.stderr[-3000:]
     assert one_error_line(prepare).startswith("error: stopped (SIGTERM); no half-written dataset was kept")
-    assert os.listdir(stopped_data / "mnist") == []  # neither the dataset nor tfds's incomplete folder
+    assert os.listdir(stopped_data / Config.dataset) == []  # neither the dataset nor tfds's incomplete folder
 
     # A prepare to its end: its progress and one closing line on stdout, none of TensorFlow's start-up notices.
     idx = write_idx_dir(tmp_path / "idx", {"train": make_split(320, rng), "test": make_split(64, rng)})
     data_dir = str(tmp_path / "data")
     prepare = Worker(["--idx-dir", idx, "--data-dir", data_dir], env, tmp_path, "prepare", script="prepare_mnist.py")
     assert finish([prepare], 300) == [0], prepare.stderr[-3000:]
-    assert [line for line in prepare.stdout.splitlines() if "mnist" in line] == [
-        f"preparing mnist in {data_dir} from the IDX files in {idx}",
-        f"prepared mnist in {data_dir}/mnist/3.0.1",
+    assert [line for line in prepare.stdout.splitlines() if Config.dataset in line] == [
+        f"preparing {Config.dataset} in {data_dir} from the IDX files in {idx}",
+        f"prepared {Config.dataset} in {dataset_folder(data_dir)}",
         f"train with: python train_mnist_mirrored.py --data-dir {data_dir}"]
     assert not any(notice in prepare.stderr for notice in (*terminal.STARTUP_NOTICES, terminal.CUINIT_FAILED))
 

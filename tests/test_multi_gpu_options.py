@@ -267,7 +267,7 @@ def test_a_bfloat16_run_runs_to_the_end_and_names_its_policy(bfloat16_run):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("run, compute", [("options_run", "float16"), ("bfloat16_run", "bfloat16")])
-def test_mixed_precision_exports_serve_float32(run, compute, request, mnist_arrays, tmp_path):
+def test_mixed_precision_exports_serve_float32(run, compute, request, dataset_arrays, tmp_path):
     _, output_dir, _ = request.getfixturevalue(run)
     saved = os.path.join(output_dir, "saved_model")
     serve = tf.saved_model.load(saved).signatures["serving_default"]
@@ -275,7 +275,7 @@ def test_mixed_precision_exports_serve_float32(run, compute, request, mnist_arra
     assert spec.dtype == tf.float32
     (out_spec,) = serve.structured_outputs.values()
     assert out_spec.dtype == tf.float32
-    images = mnist_arrays["test"][0][:8, ..., None].astype(np.float32) / 255.0
+    images = dataset_arrays["test"][0][:8, ..., None].astype(np.float32) / 255.0
     (logits,) = serve(**{next(iter(serve.structured_input_signature[1])): tf.constant(images)}).values()
     assert logits.dtype == tf.float32 and logits.shape == (8, NUM_CLASSES) and np.all(np.isfinite(logits.numpy()))
     # It was trained and exported in mixed precision: float16 or bfloat16 compute inside, float32 at the end.

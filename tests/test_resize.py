@@ -12,9 +12,11 @@ import time
 
 import numpy as np
 import pytest
+import tensorflow as tf
 
 import callbacks
 import data
+from machinery import input_engine
 from machinery import resume
 import train_mnist_mirrored
 from config import Config
@@ -104,9 +106,9 @@ def _assert_each_image_once(segments):
         for epoch in range(first_epoch, last_epoch + (1 if last_image else 0)):
             start = first_image if epoch == first_epoch else 0
             stop = last_image if epoch == last_epoch else NUM_TRAIN
-            batches = list(data.index_batches(data.Stream(
+            batches = list(input_engine.index_batches(input_engine.Stream(
                 num_examples=NUM_TRAIN, global_batch=batch, buffer_size=BUFFER, seed=SEED, epochs=epoch + 1,
-                first_epoch=epoch, first_image=start)).as_numpy_iterator())
+                first_epoch=epoch, first_image=start), data.RECIPE).as_numpy_iterator())
             sizes = [len(b) for b in batches]
             assert all(size == batch for size in sizes[:-1]) and 0 < sizes[-1] <= batch  # only the last is short
             # The process stopped after a whole batch: its backup falls on a batch boundary of its own.
@@ -114,7 +116,7 @@ def _assert_each_image_once(segments):
             assert stop == NUM_TRAIN or (stop - start) % batch == 0
             trained[epoch].extend(images.tolist())
     for epoch, images in trained.items():
-        order = list(data.epoch_order(NUM_TRAIN, buffer_size=BUFFER, seed=SEED, epoch=epoch).as_numpy_iterator())
+        order = list(data.shuffle(tf.data.Dataset.range(NUM_TRAIN), buffer_size=BUFFER, seed=SEED + epoch).as_numpy_iterator())
         assert sorted(images) == list(range(NUM_TRAIN)), f"epoch {epoch + 1}"
         assert images == order, f"epoch {epoch + 1}"
 
@@ -125,7 +127,7 @@ def _rates(stdout):
 
 def _assert_rates_on_schedule(stdout, *, global_batch, scale_lr, warmup_epochs=0):
     """Each epoch's printed rate is what an uninterrupted run at this global batch applies at that epoch's end."""
-    steps = data.steps_per_epoch(NUM_TRAIN, global_batch)
+    steps = input_engine.steps_per_epoch(NUM_TRAIN, global_batch)
     scale = callbacks.learning_rate_scale(global_batch, scale_lr)
     for epoch, rate in _rates(stdout).items():
         assert rate == pytest.approx(expected_rate(epoch * steps - 1, steps_per_epoch=steps, scale=scale,
@@ -159,10 +161,10 @@ def test_a_resized_plan_finishes_the_epoch_in_images():
 
 def test_the_resumed_stream_is_the_rest_of_the_epochs_order_then_whole_epochs():
     plan = resume.Plan.resuming(resume.Position(1, 200, 150, _settings(8)), _settings(64))
-    batches = list(data.index_batches(plan.stream(3)).as_numpy_iterator())
+    batches = list(input_engine.index_batches(plan.stream(3), data.RECIPE).as_numpy_iterator())
     rest, after = batches[:plan.steps - plan.first_step], batches[plan.steps - plan.first_step:]
     assert [len(b) for b in rest] == [64] * 12 + [32] and [len(b) for b in after] == [64] * 15 + [40]
-    order = [list(data.epoch_order(1000, buffer_size=BUFFER, seed=SEED, epoch=e).as_numpy_iterator()) for e in (1, 2)]
+    order = [list(data.shuffle(tf.data.Dataset.range(1000), buffer_size=BUFFER, seed=SEED + e).as_numpy_iterator()) for e in (1, 2)]
     assert np.concatenate(rest).tolist() == order[0][200:]
     assert np.concatenate(after).tolist() == order[1]
 

@@ -13,8 +13,9 @@ from machinery import worker_group
 from machinery import terminal
 import train_mnist_mirrored
 from machinery import exits
-from conftest import (Worker, apply_env, assert_one_port_warning, assert_refused_in_one_line, finish, free_ports,
-                      run_under_broken_tf_config, smoke_args)
+from config import Config
+from conftest import (Worker, apply_env, assert_one_port_warning, assert_refused_in_one_line, dataset_folder, finish,
+                      free_ports, run_under_broken_tf_config, smoke_args)
 
 CHIEF_OUTPUTS = ["logs", "model.keras", "results.json", "saved_model", "training_checkpoints"]
 
@@ -68,9 +69,9 @@ def test_two_slurm_tasks_prepare_one_shared_data_dir_and_task_0_writes_outputs(t
     assert sorted(os.listdir(output_dir)) == CHIEF_OUTPUTS
     assert _left_in(tmp_path / "task0") == _left_in(tmp_path / "task1") == []
     # One task prepared the data while the other waited for its lock (or found it done): one copy, no leftovers.
-    preparers = [w for w in workers if any(line.startswith("preparing mnist in") for line in w.stdout.splitlines())]
+    preparers = [w for w in workers if any(line.startswith(f"preparing {Config.dataset} in") for line in w.stdout.splitlines())]
     assert len(preparers) == 1
-    assert os.listdir(shared / "mnist") == ["3.0.1"]
+    assert os.listdir(shared / Config.dataset) == [dataset_folder(shared).name]
 
 
 # ---------------------------------------------------------------- Kubernetes: a TFJob that loses a worker

@@ -173,7 +173,7 @@ def _tensorboard_scalars(run_dir, tags):
     return {tag: [(e.step, float(tf.make_ndarray(e.tensor_proto))) for e in reader.Tensors(tag)] for tag in tags}
 
 
-def test_validation_writes_a_validation_run_beside_train(smoke_ok, mnist_arrays):
+def test_validation_writes_a_validation_run_beside_train(smoke_ok, dataset_arrays):
     assert sorted(os.listdir(smoke_ok.path("logs"))) == ["train", "validation"]
     validation = _tensorboard_scalars(smoke_ok.path("logs", "validation"), ("epoch_loss", "epoch_accuracy"))
     for tag, points in validation.items():
@@ -181,7 +181,7 @@ def test_validation_writes_a_validation_run_beside_train(smoke_ok, mnist_arrays)
     # The last epoch's validation figures are the test split's, for the weights the last checkpoint holds.
     net = built_model()
     net.load_weights(tf.train.latest_checkpoint(smoke_ok.path("training_checkpoints"))).expect_partial()
-    images, labels = mnist_arrays["test"]
+    images, labels = dataset_arrays["test"]
     logits = net.predict(images[..., None].astype(np.float32) / 255.0, verbose=0)
     loss = float(model.keras.losses.SparseCategoricalCrossentropy(from_logits=True)(labels, logits))
     accuracy = float(np.mean(np.argmax(logits, axis=1) == labels))
@@ -203,8 +203,8 @@ def test_global_batch_is_per_replica_times_replicas(smoke_ok):
 # ---------------------------------------------------------------- checkpoint vs SavedModel
 
 @pytest.fixture(scope="module")
-def test_images(mnist_arrays):
-    images, labels = mnist_arrays["test"]
+def test_images(dataset_arrays):
+    images, labels = dataset_arrays["test"]
     return (images[:24, ..., None].astype(np.float32) / 255.0), labels[:24]
 
 

@@ -350,20 +350,22 @@ def test_fit_calls_the_step_hooks_set_on_the_instance():
 
 # ---------------------------------------------------------------- tfds's builder, preparing without its two lines
 
-def test_a_prepare_prints_tfds_lines_only_when_not_told_otherwise(tmp_path, mnist_arrays, capfd):
-    import prepare_mnist
+def test_a_prepare_prints_tfds_lines_only_when_not_told_otherwise(tmp_path, dataset_arrays, capfd):
+    from config import Config
+    from machinery import tfds_builders
+
+    builder = tfds_builders.arrays_builder(Config.dataset, dataset_arrays)
 
     def prepared(builder):
         builder.download_and_prepare(download_config=tfds.download.DownloadConfig(try_download_gcs=False))
         return capfd.readouterr().out
 
     capfd.readouterr()
-    loud = prepared(prepare_mnist._MnistFromIdx(splits=mnist_arrays, data_dir=str(tmp_path / "loud")))
+    loud = prepared(builder(data_dir=str(tmp_path / "loud")))
     assert "Downloading and preparing dataset" in loud and "downloaded and prepared" in loud, changed(
         f"tfds's builder no longer prints its two lines around a prepare, and without_prepare_lines has nothing "
         f"left to do: it printed {loud!r}")
-    quiet = prepared(tf_private.without_prepare_lines(
-        prepare_mnist._MnistFromIdx(splits=mnist_arrays, data_dir=str(tmp_path / "quiet"))))
+    quiet = prepared(tf_private.without_prepare_lines(builder(data_dir=str(tmp_path / "quiet"))))
     assert "Downloading" not in quiet and "downloaded" not in quiet, changed(
         f"tfds's builder prints its lines through something other than `_log_download_bytes` and "
         f"`_log_download_done` now: {quiet!r}")

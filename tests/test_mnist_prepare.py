@@ -1,4 +1,5 @@
-"""The offline prepare path (prepare_mnist.py) and its refusals of bad input."""
+"""MNIST's offline prepare (prepare_mnist.py), from the four IDX files, and its refusals of bad input: the
+dataset's format is MNIST's here, whatever its name."""
 
 import gzip
 import os
@@ -12,10 +13,11 @@ import tensorflow_datasets as tfds
 
 import data
 import prepare_mnist
+from config import Config
 from conftest import (IDX_NAMES, NUM_TEST, NUM_TRAIN, idx_images_bytes, idx_labels_bytes, subprocess_env,
                       write_gz, write_idx_dir)
 
-IMAGE_SHAPE, NUM_CLASSES = data.image_shape_and_classes()  # what tfds's DatasetInfo says mnist holds
+IMAGE_SHAPE, NUM_CLASSES = data.image_shape_and_classes()  # what tfds's DatasetInfo says the dataset holds
 
 
 def as_set(images, labels):
@@ -25,12 +27,12 @@ def as_set(images, labels):
 
 # ---------------------------------------------------------------- round trip
 
-def test_prepared_dir_reads_back_exactly_what_was_written(data_dir, mnist_arrays):
-    datasets, info = tfds.load("mnist", data_dir=data_dir, with_info=True, as_supervised=True)
+def test_prepared_dir_reads_back_exactly_what_was_written(data_dir, dataset_arrays):
+    datasets, info = tfds.load(Config.dataset, data_dir=data_dir, with_info=True, as_supervised=True)
     assert info.splits["train"].num_examples == NUM_TRAIN
     assert info.splits["test"].num_examples == NUM_TEST
     for split in ("train", "test"):
-        images, labels = mnist_arrays[split]
+        images, labels = dataset_arrays[split]
         read = list(tfds.as_numpy(datasets[split]))
         assert len(read) == len(labels)
         assert all(image.shape == IMAGE_SHAPE and image.dtype == np.uint8 for image, _ in read)
@@ -38,12 +40,12 @@ def test_prepared_dir_reads_back_exactly_what_was_written(data_dir, mnist_arrays
 
 
 def test_data_load_uses_the_prepared_dir(data_dir):
-    info = data.mnist_info(data_dir)
-    datasets = data.tfds_datasets(data_dir)
+    info = data.load(Config.dataset, data_dir)
+    datasets = tfds.load(Config.dataset, data_dir=data_dir, as_supervised=True)
     assert info.splits["train"].num_examples == NUM_TRAIN
     image, label = next(iter(datasets["test"]))
     assert tuple(image.shape) == IMAGE_SHAPE
-    assert 0 <= int(label) < 10
+    assert 0 <= int(label) < NUM_CLASSES
 
 
 def test_prepare_refuses_an_already_prepared_dir(data_dir, idx_dir, capsys):
@@ -52,8 +54,8 @@ def test_prepare_refuses_an_already_prepared_dir(data_dir, idx_dir, capsys):
     assert rc != 0
     assert len(err) == 1 and err[0].startswith("error:") and "already" in err[0]
     # ... and the existing dataset is still whole.
-    assert tfds.builder("mnist", data_dir=data_dir).is_prepared()
-    assert tfds.builder("mnist", data_dir=data_dir).info.splits["train"].num_examples == NUM_TRAIN
+    assert tfds.builder(Config.dataset, data_dir=data_dir).is_prepared()
+    assert tfds.builder(Config.dataset, data_dir=data_dir).info.splits["train"].num_examples == NUM_TRAIN
 
 
 # ---------------------------------------------------------------- prepare_mnist.py with no files
@@ -138,8 +140,8 @@ def _truncated_gzip(d, arrays):
 def _wrong_image_size(d, arrays):
     images, _ = arrays["train"]
     height, width, _ = IMAGE_SHAPE
-    write_gz(d / _gz("train", "images"), idx_images_bytes(np.pad(images, ((0, 0), (0, 1), (0, 2)))))
-    return ["train-images-idx3-ubyte", f"{height + 1}x{width + 2} images", f"not MNIST's {height}x{width}"]
+    write_gz(d / _gz("train", "images"), idx_images_bytes(np.pad(images[..., 0], ((0, 0), (0, 1), (0, 2)))))
+    return ["train-images-idx3-ubyte", f"{height + 1}x{width + 2} images", f"not {Config.dataset}'s {height}x{width}"]
 
 
 def _label_out_of_range(d, arrays):
@@ -153,9 +155,9 @@ def _label_out_of_range(d, arrays):
 @pytest.mark.parametrize("corrupt", [_missing, _empty, _empty_raw, _truncated, _count_mismatch, _swapped,
                                      _not_gzip, _truncated_gzip, _wrong_image_size, _label_out_of_range],
                          ids=lambda f: f.__name__.strip("_"))
-def test_prepare_refuses_bad_idx_input(corrupt, idx_dir, mnist_arrays, tmp_path, capsys):
+def test_prepare_refuses_bad_idx_input(corrupt, idx_dir, dataset_arrays, tmp_path, capsys):
     bad = _copy_good(idx_dir, tmp_path)
-    expected_words = corrupt(bad, mnist_arrays)
+    expected_words = corrupt(bad, dataset_arrays)
     target = tmp_path / "target"
 
     rc = prepare_mnist.main(["--idx-dir", str(bad), "--data-dir", str(target)])
@@ -168,7 +170,7 @@ def test_prepare_refuses_bad_idx_input(corrupt, idx_dir, mnist_arrays, tmp_path,
     for word in expected_words:
         assert word in err[0], (word, err[0])
     assert not target.exists()
-    assert not tfds.builder("mnist", data_dir=str(target)).is_prepared()
+    assert not tfds.builder(Config.dataset, data_dir=str(target)).is_prepared()
 
 
 def test_prepare_refuses_a_missing_idx_dir(tmp_path, capsys):
@@ -180,16 +182,16 @@ def test_prepare_refuses_a_missing_idx_dir(tmp_path, capsys):
     assert not target.exists()
 
 
-def test_prepare_accepts_uncompressed_idx_files(tmp_path, mnist_arrays):
+def test_prepare_accepts_uncompressed_idx_files(tmp_path, dataset_arrays):
     """The docstring promises gzip or raw IDX files; raw ones must prepare the same dataset."""
     raw = tmp_path / "raw"
-    write_idx_dir(raw, mnist_arrays)
+    write_idx_dir(raw, dataset_arrays)
     for name in os.listdir(raw):
         payload = gzip.decompress((raw / name).read_bytes())
         (raw / name[:-3]).write_bytes(payload)
         os.remove(raw / name)
     target = tmp_path / "target"
     prepare_mnist.prepare(str(raw), str(target))
-    builder = tfds.builder("mnist", data_dir=str(target))
+    builder = tfds.builder(Config.dataset, data_dir=str(target))
     assert builder.is_prepared()
     assert builder.info.splits["test"].num_examples == NUM_TEST
