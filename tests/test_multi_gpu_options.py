@@ -275,7 +275,7 @@ def test_mixed_precision_exports_serve_float32(run, compute, request, dataset_ar
     assert spec.dtype == tf.float32
     (out_spec,) = serve.structured_outputs.values()
     assert out_spec.dtype == tf.float32
-    images = dataset_arrays["test"][0][:8, ..., None].astype(np.float32) / 255.0
+    images = data.scale(*(part[:8] for part in dataset_arrays["test"]))[0].numpy()
     (logits,) = serve(**{next(iter(serve.structured_input_signature[1])): tf.constant(images)}).values()
     assert logits.dtype == tf.float32 and logits.shape == (8, NUM_CLASSES) and np.all(np.isfinite(logits.numpy()))
     # It was trained and exported in mixed precision: float16 or bfloat16 compute inside, float32 at the end.

@@ -182,7 +182,7 @@ def test_validation_writes_a_validation_run_beside_train(smoke_ok, dataset_array
     net = built_model()
     net.load_weights(tf.train.latest_checkpoint(smoke_ok.path("training_checkpoints"))).expect_partial()
     images, labels = dataset_arrays["test"]
-    logits = net.predict(images[..., None].astype(np.float32) / 255.0, verbose=0)
+    logits = net.predict(data.scale(images, labels)[0], verbose=0)
     loss = float(model.keras.losses.SparseCategoricalCrossentropy(from_logits=True)(labels, logits))
     accuracy = float(np.mean(np.argmax(logits, axis=1) == labels))
     assert validation["epoch_loss"][-1][1] == pytest.approx(loss, abs=1e-5)
@@ -205,7 +205,8 @@ def test_global_batch_is_per_replica_times_replicas(smoke_ok):
 @pytest.fixture(scope="module")
 def test_images(dataset_arrays):
     images, labels = dataset_arrays["test"]
-    return (images[:24, ..., None].astype(np.float32) / 255.0), labels[:24]
+    images, labels = data.scale(images[:24], labels[:24])
+    return images.numpy(), labels
 
 
 @pytest.fixture(scope="module")
