@@ -36,7 +36,8 @@ from machinery.sigterm import Preemption
 RECORD = "resume_position"
 CHIEF_BACKUP = "chief"
 # Checkpoints the backup keeps (Keras keeps one): should the newest be damaged, say truncated when the storage
-# under it failed, a restart goes on from the one before it (newest_intact). Each is 4 MB for this model.
+# under it failed, a restart goes on from the one before it (newest_intact). Each is the size of the model
+# and its optimizer's state.
 BACKUPS_KEPT = 2
 START_OVER = "or add --overwrite to start over"
 
@@ -97,7 +98,7 @@ def damage(path):
     """What is wrong with the checkpoint at `path`, or None when every tensor in it reads back whole.
 
     TensorFlow's reader checks each tensor's length and checksum (CRC32C) as it reads it, so reading them all is
-    the check, a few MB here: a truncated file reads short (IndexError), a changed byte fails its checksum, a
+    the check, the size of the model and its optimizer's state: a truncated file reads short (IndexError), a changed byte fails its checksum, a
     missing file is not found, a damaged index is not an sstable.
     """
     try:

@@ -64,7 +64,7 @@ def registered(name):
     """tfds's builder class for `name`, or None when tfds has no dataset of that name."""
     try:
         return tfds.builder_cls(name)
-    except tfds.core.registered.DatasetNotFoundError:
+    except tfds.core.DatasetNotFoundError:
         return None
 
 
