@@ -120,7 +120,7 @@ def main(argv=None):
     parser.add_argument("--idx-dir", required=True, help="folder holding train-images-idx3-ubyte(.gz) and the other three")
     parser.add_argument("--data-dir", default=None, help="tfds data dir to write (unset: tfds's own, ~/tensorflow_datasets)")
     parser.add_argument("--dataset", default=Config.dataset, help="tfds name to prepare it as, a dataset of MNIST's "
-                                                                  "format (fashion_mnist, say)")
+                                                                  f"format (default: {Config.dataset})")
     parser.add_argument("--verbose", action="store_true", help="also show TensorFlow's start-up notices, held back otherwise")
     args = parser.parse_args(argv)
     # As the entrypoint: SIGTERM and Ctrl-C end it with one line, TensorFlow's start-up notices held back, and

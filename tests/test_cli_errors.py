@@ -175,6 +175,28 @@ def test_multiworker_needs_a_valid_tf_config(tf_config, words, quick_args, tmp_p
 
 # ---------------------------------------------------------------- no prepared data, offline
 
+def test_a_dataset_name_neither_tfds_nor_prepared_is_one_line(tmp_path, monkeypatch, capsys):
+    monkeypatch.delenv("TF_CONFIG", raising=False)
+    empty = tmp_path / "empty_tfds"
+    empty.mkdir()
+    rc = train_mnist_mirrored.main(["--dataset", "no_such_dataset", *smoke_args(str(empty), str(tmp_path / "out"))])
+    line = _one_error_line(capsys)
+    assert rc == EXIT_BAD_INPUT
+    assert "--dataset no_such_dataset is no tfds dataset" in line and str(empty) in line
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_dataset_of_another_kind_is_not_prepared_from_idx_files(idx_dir, tmp_path, capsys):
+    """IDX files hold MNIST's grayscale images: cifar10's 32x32x3 are not made from them, and tfds's own prepare
+    is named instead."""
+    import prepare_mnist
+
+    rc = prepare_mnist.main(["--idx-dir", idx_dir, "--data-dir", str(tmp_path / "data"), "--dataset", "cifar10"])
+    line = _one_error_line(capsys)
+    assert rc == EXIT_BAD_INPUT and "32x32x3" in line and "tfds build cifar10" in line
+    assert not (tmp_path / "data").exists()
+
+
 def test_missing_prepared_data_points_at_prepare_mnist(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(tfds_builders, "DOWNLOAD_HOST", CLOSED_PORT)
     monkeypatch.delenv("TF_CONFIG", raising=False)
