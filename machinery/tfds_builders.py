@@ -116,6 +116,13 @@ def image_features(image_shape, num_classes):
                                        LABEL: tfds.features.ClassLabel(num_classes=num_classes)})
 
 
+def blank(feature, index):
+    """A value for a feature the arrays do not hold (cifar10's `id`, say): the example's index as text, or zeros."""
+    if feature.np_dtype == object:
+        return str(index)
+    return np.zeros(feature.shape, feature.np_dtype)
+
+
 def arrays_builder(name, splits, *, features=None):
     """A builder class that prepares `splits` ({split: (images, labels)}, uint8 images of shape (N, height, width,
     channels)) as the dataset `name`. A registered name keeps its own class, features and version; another takes
@@ -139,8 +146,10 @@ def arrays_builder(name, splits, *, features=None):
             return {split: self._generate_examples(*arrays) for split, arrays in splits.items()}
 
         def _generate_examples(self, images, labels):
+            others = {key: feature for key, feature in self.info.features.items() if key not in (IMAGE, LABEL)}
             for index, (image, label) in enumerate(zip(images, labels)):
-                yield index, {IMAGE: image, LABEL: int(label)}
+                yield index, {IMAGE: image, LABEL: int(label),
+                              **{key: blank(feature, index) for key, feature in others.items()}}
 
     FromArrays.name = name
     return FromArrays

@@ -106,7 +106,7 @@ def test_a_process_ended_from_inside_the_block_removes_its_folder(empty_tmpdir):
     assert os.listdir(empty_tmpdir) == []
 
 
-def test_the_offline_prepare_leaves_no_temporary_folder(empty_tmpdir, idx_dir, tmp_path, capsys):
+def test_the_offline_mnist_prepare_leaves_no_temporary_folder(empty_tmpdir, idx_dir, tmp_path, capsys):
     """tfds's builder makes an empty tmp*tfds folder each time it looks for the dataset's metadata offline."""
     assert prepare_mnist.main(["--idx-dir", idx_dir, "--data-dir", str(tmp_path / "data")]) == 0
     out = capsys.readouterr().out.splitlines()
