@@ -32,12 +32,12 @@ import time
 import throughput
 from throughput import ENTRYPOINT, ROOT  # noqa: F401  (ROOT: throughput put the project on the path)
 
-from config import Config, UsageError  # noqa: E402
-from machinery.exits import EXIT_BAD_INPUT
+from config import Config  # noqa: E402
 from machinery import terminal  # noqa: E402
+from machinery.exits import EXIT_BAD_INPUT, UsageError  # noqa: E402
 
-# The run's phases, in order, each named by the stamp at its end (train_mnist_mirrored.PhaseClock); between
-# "model" and "fit" the epochs are split out of `fit` by its epoch clock.
+# The run's phases, in order, each named by the stamp at its end (machinery/phase_clock.py: the steps marked
+# @ends); between "model" and "fit" the epochs are split out of `fit` by its epoch clock.
 STAMPED = (
     ("interpreter", "interpreter start"),
     ("imports", "the entrypoint's imports"),
@@ -51,10 +51,8 @@ FIT = (("first_epoch", "step 4: the first epoch"), ("later_epochs", "step 4: the
        ("fit_rest", "step 4: fit beyond its epochs"))
 AFTER_FIT = (
     ("restore", "step 5: checkpoint restored and evaluated"),
-    ("saved_model", "step 6: SavedModel exported"),
-    ("keras_file", "step 6: model.keras written"),
-    ("reload", "step 6: SavedModel reloaded and evaluated"),
-    ("reload_in_scope", "step 6: reloaded in the scope and evaluated"),
+    ("export", "step 6: SavedModel and model.keras written"),
+    ("reload", "step 6: SavedModel reloaded twice, evaluated"),
     ("exit", "results written, summary, exit"),
 )
 LABELS = dict(STAMPED + FIT + AFTER_FIT)

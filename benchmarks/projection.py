@@ -24,11 +24,12 @@ The efficiency is t_compute / t(N): N workers' images/s over N times one replica
 The fit. Two measured points (one replica, two workers) fix two free terms: t_compute = the 1-replica step, and
 t_fixed = the 2-worker step minus t_compute minus the all-reduce's two terms at N = 2. The all-reduce's α and B
 come from a separate measurement (benchmarks/allreduce.py): two pinned one-thread workers all-reducing over
-loopback, 0.75 ms for a 4-byte tensor and 2.9 ms for the tutorial model's 1.39 MB of gradients (docs/history.md). The rest of the 2.9 ms is the bytes' time
-(B = 0.65 GB/s). Two measured points cannot tell how the 4-byte time splits into per-hop latency and a launch paid
-once, so both ends are projected: all of it 2 hops of latency (α = 0.375 ms, the line), or all of it launch, in
-t_fixed (α then the network's alone; the top of the band). On a network, the gRPC transport's CPU cost per byte and
-the link's overlap, so the slower of the two decides the bytes' time, and the network's hop latency adds to α.
+loopback a 4-byte tensor and the tutorial model's gradients (docs/history.md, "The fitted terms"). The gradients'
+time beyond the 4-byte one is the bytes' time, which gives B. Two measured points cannot tell how the 4-byte time
+splits into per-hop latency and a launch paid once, so both ends are projected: all of it 2 hops of latency (α,
+the line), or all of it launch, in t_fixed (α then the network's alone; the top of the band). On a network, the
+gRPC transport's CPU cost per byte and the link's overlap, so the slower of the two decides the bytes' time, and
+the network's hop latency adds to α.
 
 GPUs with NCCL use published figures instead (cited in docs/history.md): the bus bandwidth and the per-hop
 latency of NCCL's ring across nodes; their compute time is an assumption (no GPU was lent), given as a range.
@@ -48,9 +49,8 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from config import UsageError  # noqa: E402  config and terminal import nothing heavy
-from machinery.exits import EXIT_BAD_INPUT, EXIT_OK
-from machinery import terminal  # noqa: E402
+from machinery import terminal  # noqa: E402  (it and exits import nothing heavy)
+from machinery.exits import EXIT_BAD_INPUT, EXIT_OK, UsageError  # noqa: E402
 
 WORKERS = (1, 2, 4, 8, 64, 512)  # the table's columns; the picture draws every power of two up to the last
 OUTPUT = os.path.join(ROOT, "docs", "scaling_projection.png")

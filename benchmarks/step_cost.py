@@ -3,22 +3,24 @@
     python benchmarks/step_cost.py --data-dir DIR                   # 30 rounds of an epoch's steps each
     python benchmarks/step_cost.py --idx-dir ../shared/datasets/mnist --rounds 10
 
-`throughput.py` compares whole runs, each in a fresh process, whose speed moves by 10-20 % from one process to
-the next; a per-step difference of a few per cent drowns in that. Here every variant lives in one process,
-traced and warmed up first, and each round runs each variant's steps in turn (in reverse order every other
+`throughput.py` compares whole runs, each in a fresh process, whose speed moves from one process to the
+next by more than the per-step differences looked for here (docs/performance.md). Here every variant lives in one
+process, traced and warmed up first, and each round runs each variant's steps in turn (in reverse order every other
 round), so that the machine's drift hits all alike; each variant's time is read against the ceiling's of the
 same round. The variants, each with a model of its own:
 
 - ceiling: the train step looping inside one tf.function over batches already in memory (throughput.py's);
 - keras_memory: Keras's own train function (the default run's steps a call) over the same batches, read through
-  tf.data and `data.distribute` as the run reads a single replica's input: what Keras's loop costs;
-- keras_host: Keras's train function over batches gathered and scaled on tf.data's thread (`data.step_batches`),
-  the input path before the split was resident on the device;
+  tf.data and `input_engine.distribute` as the run reads a single replica's input: what Keras's loop costs;
+- keras_host: Keras's train function over batches gathered and scaled on tf.data's thread
+  (`input_engine.step_batches`), the input path before the split was resident on the device;
 - keras_project: the run's own path: only indices through tf.data, each step gathering and scaling its batch
   from the resident split (`data.training_input`), under MirroredStrategy;
 - keras_project_default: the same under no strategy (TensorFlow's default), which shows what MirroredStrategy's
   handling of one replica costs;
-- keras_project_multiworker: the same under MultiWorkerMirroredStrategy with one worker and no peers.
+- keras_project_multiworker: the same under MultiWorkerMirroredStrategy with one worker and no peers;
+- keras_streamed: the run's path for a split larger than --resident-limit-mb: its examples read from tfds's
+  record files, shuffled and batched by data.py's recipe every epoch, under MirroredStrategy.
 """
 
 import argparse
@@ -32,20 +34,20 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import tensorflow as tf  # noqa: E402
 
 import data  # noqa: E402
-from config import Config, UsageError  # noqa: E402
-from machinery.exits import EXIT_BAD_INPUT
-from machinery import terminal  # noqa: E402
-from throughput import (add_data_source, built_model, ceiling_loop, prepared_data, report, resident_batches,  # noqa: E402
-                        timed)  # benchmarks/ is this script's folder, first on sys.path
+from config import Config  # noqa: E402
+from machinery import input_engine, terminal  # noqa: E402
+from machinery.exits import EXIT_BAD_INPUT, UsageError  # noqa: E402
+from throughput import (add_data_source, built_model, ceiling_loop, prepared_data, report, resident,  # noqa: E402
+                        resident_batches, timed)  # benchmarks/ is this script's folder, first on sys.path
 
 DEFAULT_ROUNDS = 30
 BASELINE = "ceiling"
 
 
-def keras_steps(strategy, cfg, feed, calls, steps_per_execution):
+def keras_steps(strategy, cfg, info, feed, calls, steps_per_execution):
     """`calls` calls of a fresh model's Keras train function, `steps_per_execution` steps each, over what
     `feed(strategy, model)` gives, read as `fit` reads it."""
-    model = built_model(strategy, cfg, steps_per_execution=steps_per_execution)
+    model = built_model(strategy, cfg, info, steps_per_execution=steps_per_execution)
     iterator = iter(feed(strategy, model))
     train_function = model.make_train_function()
 
@@ -59,35 +61,40 @@ def keras_steps(strategy, cfg, feed, calls, steps_per_execution):
 def variants(info, cfg, strategies, steps):
     """{name: a function running `steps` training steps}, and the steps each runs, a multiple of the calls'."""
     global_batch = cfg.batch_size_per_replica
-    arrays = data.resident_split(info, "train")
-    images, labels = resident_batches(arrays, global_batch, steps)
+    train = resident(info, "train")
+    images, labels = resident_batches(train, global_batch, steps)
     available = int(images.shape[0])
     per_call = min(cfg.steps_per_execution, available)
     calls = available // per_call
     steps = calls * per_call
     images, labels = images[:steps], labels[:steps]
-    stream = data.Stream(num_examples=info.splits["train"].num_examples, global_batch=global_batch,
-                         buffer_size=cfg.buffer_size, seed=cfg.seed, epochs=1)
+    stream = input_engine.Stream(num_examples=train.num_examples, global_batch=global_batch,
+                                 buffer_size=cfg.buffer_size, seed=cfg.seed, epochs=1)
 
     def memory(strategy, model):
-        return data.distribute(strategy, lambda share: data.for_distribution(
+        return input_engine.distribute(strategy, lambda share: input_engine.for_distribution(
             tf.data.Dataset.from_tensor_slices((images, labels)).repeat()))
 
     def host(strategy, model):
-        return data.distribute(strategy, lambda share: data.step_batches(*arrays, stream, share=share))
+        return input_engine.distribute(strategy, lambda share: input_engine.step_batches(
+            train, stream, data.RECIPE, share=share))
 
     def project(strategy, model):
-        return data.training_input(strategy, model, arrays, stream)
+        return data.training_input(strategy, model, train, stream)
+
+    def streamed(strategy, model):
+        return data.training_input(strategy, model, input_engine.Split(info, "train"), stream)
 
     mirrored = strategies["mirrored"]
     runs = {
-        BASELINE: ceiling_loop(mirrored, built_model(mirrored, cfg), images, labels),
-        "keras_memory": keras_steps(mirrored, cfg, memory, calls, per_call),
-        "keras_host": keras_steps(mirrored, cfg, host, calls, per_call),
+        BASELINE: ceiling_loop(mirrored, built_model(mirrored, cfg, info), images, labels),
+        "keras_memory": keras_steps(mirrored, cfg, info, memory, calls, per_call),
+        "keras_host": keras_steps(mirrored, cfg, info, host, calls, per_call),
     }
     for name, strategy in strategies.items():
         suffix = "" if name == "mirrored" else f"_{name}"
-        runs[f"keras_project{suffix}"] = keras_steps(strategy, cfg, project, calls, per_call)
+        runs[f"keras_project{suffix}"] = keras_steps(strategy, cfg, info, project, calls, per_call)
+    runs["keras_streamed"] = keras_steps(mirrored, cfg, info, streamed, calls, per_call)
     return runs, steps
 
 

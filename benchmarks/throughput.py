@@ -41,9 +41,9 @@ import tensorflow as tf  # noqa: E402
 
 import callbacks  # noqa: E402
 import data  # noqa: E402
+from config import Config  # noqa: E402
 from machinery import outputs, terminal  # noqa: E402
-from config import Config, UsageError  # noqa: E402
-from machinery.exits import EXIT_BAD_INPUT, EXIT_OK
+from machinery.exits import EXIT_BAD_INPUT, EXIT_OK, UsageError  # noqa: E402
 from model import build_model, compile_model, keras  # noqa: E402
 
 RESULT_MARK = "BENCH "
@@ -106,10 +106,10 @@ def _timed_fit(model, train, cbs, **fit_args):
     return wall, cpu, clock.epoch_seconds()
 
 
-def tutorial_round(datasets, info, cfg, strategy, epochs, work_dir):
+def tutorial_round(data_dir, info, cfg, strategy, epochs, work_dir):
     """The tutorial's code: its pipeline, its compile, `fit` with its four callbacks."""
     global_batch = cfg.batch_size_per_replica * strategy.num_replicas_in_sync
-    train, _ = data.tutorial_datasets(datasets, buffer_size=cfg.buffer_size, global_batch=global_batch)
+    train, _ = data.tutorial_datasets(cfg.dataset, data_dir, buffer_size=cfg.buffer_size, global_batch=global_batch)
     with strategy.scope():
         model = compile_model(build_model(*data.image_shape_and_classes(info)))
     schedule = keras.callbacks.LearningRateScheduler(lambda e: callbacks.decay(e, cfg.lr_boundaries, cfg.lr_values))
@@ -117,8 +117,8 @@ def tutorial_round(datasets, info, cfg, strategy, epochs, work_dir):
            keras.callbacks.ModelCheckpoint(os.path.join(work_dir, "ckpt_{epoch}"), save_weights_only=True),
            schedule, callbacks.PrintLR()]
     # `fit` with its default progress bar, as the tutorial and the default run call it (the round's stdout goes to
-    # a pipe): verbose=0 measured 20-25 % slower here (3 epochs, A B A B: 7,988 and 8,335 against 10,188 and
-    # 10,678 images/s), so measuring with it would not measure the run users get.
+    # a pipe): verbose=0 measured slower, so it would not measure the run users get (docs/history.md,
+    # "How it was benchmarked").
     wall, cpu, epoch_seconds = _timed_fit(model, train, cbs, epochs=epochs)
     return info.splits["train"].num_examples * epochs, wall, cpu, epoch_seconds
 
@@ -137,13 +137,18 @@ def project_round(data_dir, epochs, options):
             figures["train_epoch_seconds"]), figures["eval_accuracy_checkpoint"]
 
 
-def resident_batches(arrays, global_batch, steps=None):
-    """The first `steps` full batches (all of them by default) of the resident split `arrays`, scaled, in the
-    split's order: images (steps, batch, height, width, channels) and labels (steps, batch)."""
-    full = int(arrays[0].shape[0]) // global_batch
+def resident(info, name):
+    """The split `name` held in memory whatever --resident-limit-mb says: the ceiling's batches are in memory."""
+    return data.split(info, name, limit_mb=float("inf"))
+
+
+def resident_batches(split, global_batch, steps=None):
+    """The first `steps` full batches (all of them by default) of the resident `split`, scaled, in the split's
+    order: images (steps, batch, height, width, channels) and labels (steps, batch)."""
+    full = split.num_examples // global_batch
     full = min(full, steps) if steps else full
-    images, labels = data.scale(*arrays)
-    return (tf.reshape(images[:full * global_batch], (full, global_batch, *arrays[0].shape[1:])),
+    images, labels = data.scale(split.images, split.labels)
+    return (tf.reshape(images[:full * global_batch], (full, global_batch, *split.images.shape[1:])),
             tf.reshape(labels[:full * global_batch], (full, global_batch)))
 
 
@@ -157,8 +162,8 @@ def ceiling_loop(strategy, model, images, labels):
     return train_epoch
 
 
-def built_model(strategy, cfg, **compile_args):
-    image_shape, num_classes = data.image_shape_and_classes()
+def built_model(strategy, cfg, info, **compile_args):
+    image_shape, num_classes = data.image_shape_and_classes(info)
     with strategy.scope():
         model = compile_model(build_model(image_shape, num_classes), fused_adam=cfg.fused_adam, **compile_args)
         model.build((None, *image_shape))
@@ -168,8 +173,8 @@ def built_model(strategy, cfg, **compile_args):
 def ceiling_round(info, cfg, strategy, epochs):
     """The train step alone: every batch already in memory, one tf.function looping over them."""
     global_batch = cfg.batch_size_per_replica * strategy.num_replicas_in_sync
-    images, labels = resident_batches(data.resident_split(info, "train"), global_batch)
-    train_epoch = ceiling_loop(strategy, built_model(strategy, cfg), images, labels)
+    images, labels = resident_batches(resident(info, "train"), global_batch)
+    train_epoch = ceiling_loop(strategy, built_model(strategy, cfg, info), images, labels)
     train_epoch()  # trace and warm up outside the timing
     epoch_seconds, wall, cpu = timed(lambda: [timed(train_epoch)[1] for _ in range(epochs)])
     return int(images.shape[0]) * global_batch * epochs, wall, cpu, epoch_seconds
@@ -195,14 +200,14 @@ def rates(images, wall, cpu, epoch_seconds):
 
 def measure_one(name, data_dir, epochs):
     """One round of the tutorial or the ceiling, in this process, which is a fresh one for each round."""
-    info = data.mnist_info(data_dir)
     cfg = Config()
+    info = data.load(cfg.dataset, data_dir)
     keras.utils.set_random_seed(cfg.seed)
     strategy = tf.distribute.MirroredStrategy()
     if name == "ceiling":
         return ceiling_round(info, cfg, strategy, epochs)
     with tempfile.TemporaryDirectory(prefix="mnist-bench-round-") as work_dir:
-        return tutorial_round(data.tfds_datasets(data_dir), info, cfg, strategy, epochs, work_dir)
+        return tutorial_round(data_dir, info, cfg, strategy, epochs, work_dir)
 
 
 def run_one(name, data_dir, epochs):
@@ -302,7 +307,7 @@ def prepared_data(args):
     (and prepared from --idx-dir) once, up front; UsageError where it cannot be used."""
     work = tempfile.TemporaryDirectory(prefix="mnist-bench-")
     data_dir = os.path.join(work.name, "tfds") if args.idx_dir else args.data_dir
-    return work, data_dir, data.mnist_info(data_dir, args.idx_dir)
+    return work, data_dir, data.load(Config.dataset, data_dir, args.idx_dir)
 
 
 def write_figures(results, path):

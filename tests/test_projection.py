@@ -28,8 +28,7 @@ def _project(*args):
 
 
 def test_the_measured_figures_are_the_ones_docs_quote():
-    """1-replica and 2-worker step times from the benchmark's images/s, as docs/history.md
-    give them: 6.4 and 14.3 ms on the EPYC VM, 17.4 and 24.3 on the 2-core x86-64 VM, batch 64."""
+    """1-replica and 2-worker step times from the benchmark's images/s, as docs/history.md gives them."""
     steps = {(where.split()[1], batch): (round(one * 1e3, 1), round(two * 1e3, 1))
              for where, _, batch, one, two in MEASURED_STEPS}
     assert steps[("AMD", 64)] == (6.4, 14.3)
