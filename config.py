@@ -105,8 +105,8 @@ class Config:
     step_metrics: typing.Optional[str] = _option(
         None, "--strategy multiworker: the loss and accuracy each step shows (progress bar, batch-level callbacks): "
               "this worker's running means (worker, also when unset: no all-reduce a step) or all workers' (all: four "
-              "all-reduces a step, 1.17x the step time with two CPU workers); each epoch's figures are all "
-              "workers' either way", SPEED, choices=STEP_METRICS)
+              "all-reduces a step, a longer step; docs/performance.md, \"What to pick\"); each epoch's figures are "
+              "all workers' either way", SPEED, choices=STEP_METRICS)
 
     allreduce_dtype: str = _option(
         "float32", "--strategy multiworker: the type the gradients are all-reduced in between workers; bfloat16 or "

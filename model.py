@@ -37,17 +37,11 @@ def build_model(image_shape, num_classes):
 def report_worker_means(model):
     """Each step reports this worker's running loss and accuracy, read without an all-reduce.
 
-    Keras's `compute_metrics` reads every metric through an all-reduce at every step, one per variable (a
-    total and a count each: four a step, one after another, for the loss and the accuracy), although only the
-    progress bar and batch-level callbacks see those values: at each epoch's end, and at evaluation's, Keras
-    reads the metrics again, all workers' together. Under two CPU workers the four all-reduces cost 3.8 ms of
-    a 26 ms step (docs/history.md). Horovod's Keras examples show per-step metrics the same way, each
-    worker its own, and average them at the epoch's end.
-
-    On a worker with several replicas (GPUs) the step's figures are its first replica's, as "first" reduces them.
-
-    Set on the instance rather than by subclassing, so the exported SavedModel and Keras file stay a plain
-    Sequential; both metrics are Keras means (a total over a count).
+    Keras's `compute_metrics` all-reduces every metric variable at every step (four a step, one after another),
+    for figures only the progress bar and batch-level callbacks see; each epoch's figures, and evaluation's, are
+    read again, all workers' together. Horovod's Keras examples also show each worker its own per-step figures.
+    What it saves: docs/performance.md, "What to pick". With several replicas (GPUs) on a worker, the figures are
+    its first replica's. Set on the instance, not by subclassing, so the exports stay a plain Sequential.
     """
     def compute_metrics(x, y, y_pred, sample_weight):
         del x
@@ -100,8 +94,8 @@ def compile_model(model, *, steps_per_execution=1, jit_compile=False, fused_adam
     )
     # What the progress bar shows mid-epoch: Keras's default ("auto") sums each replica's figures across the
     # workers of a MultiWorkerMirroredStrategy, but every replica already holds the all-reduced figures, so the
-    # bar showed them times the number of workers (accuracy 1.85 with two) until the epoch's end, which reads the
-    # metrics themselves. "first" shows them once, and saves two all-reduces a step; with one worker it
+    # bar showed them times the number of workers (an accuracy above 1 with two) until the epoch's end, which
+    # reads the metrics themselves. "first" shows them once, and saves two all-reduces a step; with one worker it
     # changes nothing.
     model.distribute_reduction_method = "first"
     if worker_step_metrics:

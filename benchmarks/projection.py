@@ -12,9 +12,8 @@ The model. Each of N workers runs one replica with per-replica batch b; a synchr
 
 - t_compute: one replica's step, the forward and backward pass and the update (what one replica measures);
 - 2(N-1)·α + 2(N-1)/N · S/B: a ring all-reduce of the S bytes of float32 gradients (4 for each parameter of the
-  model model.py builds; 1.39 MB for the tutorial's model), 2(N-1) steps of one hop's
-  latency α each, and 2(N-1)/N · S bytes through each worker's link of bandwidth B (the formula NVIDIA's
-  nccl-tests use to define "bus bandwidth", doc/PERFORMANCE.md);
+  model model.py builds), 2(N-1) steps of one hop's latency α each, and 2(N-1)/N · S bytes through each worker's
+  link of bandwidth B (the formula NVIDIA's nccl-tests use to define "bus bandwidth", doc/PERFORMANCE.md);
 - t_fixed: what else a worker of several pays per step and one replica does not (the collective's launch, waiting
   for the slower worker, the multi-device iterator): the part of the measured 2-worker step that the all-reduce's
   own two terms do not explain.
@@ -24,15 +23,16 @@ The efficiency is t_compute / t(N): N workers' images/s over N times one replica
 The fit. Two measured points (one replica, two workers) fix two free terms: t_compute = the 1-replica step, and
 t_fixed = the 2-worker step minus t_compute minus the all-reduce's two terms at N = 2. The all-reduce's α and B
 come from a separate measurement (benchmarks/allreduce.py): two pinned one-thread workers all-reducing over
-loopback a 4-byte tensor and the tutorial model's gradients (docs/history.md, "The fitted terms"). The gradients'
-time beyond the 4-byte one is the bytes' time, which gives B. Two measured points cannot tell how the 4-byte time
-splits into per-hop latency and a launch paid once, so both ends are projected: all of it 2 hops of latency (α,
-the line), or all of it launch, in t_fixed (α then the network's alone; the top of the band). On a network, the
-gRPC transport's CPU cost per byte and the link's overlap, so the slower of the two decides the bytes' time, and
-the network's hop latency adds to α.
+loopback a 4-byte tensor, which is latency and launch only, and the tutorial model's gradients, whose extra time
+is the bytes' (B); the figures and their derivation are in docs/history.md, "The fitted terms". Two measured
+points cannot tell how the 4-byte time splits into per-hop latency and a launch paid once, so both ends are
+projected: all of it 2 hops of latency (α half the 4-byte time, the line), or all of it launch, in t_fixed (α then the
+network's alone; the top of the band). On a network, the gRPC transport's CPU cost per byte and the link's
+overlap, so the slower of the two decides the bytes' time, and the network's hop latency adds to α.
 
-GPUs with NCCL use published figures instead (cited in docs/history.md): the bus bandwidth and the per-hop
-latency of NCCL's ring across nodes; their compute time is an assumption (no GPU was lent), given as a range.
+GPUs with NCCL use published figures instead (cited in docs/history.md, "Networks and GPUs"): the bus bandwidth
+and the per-hop latency of NCCL's ring across nodes; their compute time is an assumption (no GPU was lent), given
+as a range.
 
 The step times listed below were measured on the tutorial's model. For a model of your own, measure it
 (benchmarks/scaling.py) and pass --scaling: the gradients' size always comes from the model model.py builds.
@@ -59,21 +59,21 @@ OUTPUT = os.path.join(ROOT, "docs", "scaling_projection.png")
 # (the 2-core x86-64 VM, docs/history.md "Where a two-worker step goes").
 GRPC_TINY_ALLREDUCE_S = 0.75e-3  # a 4-byte all-reduce: no bytes to speak of, so latency and launch only
 GRPC_GRADIENTS_ALLREDUCE_S = 2.9e-3  # the tutorial's model's gradients...
-GRPC_GRADIENTS_BYTES = 1_388_584  # ...which are these bytes: its 347,146 parameters in float32
+GRPC_GRADIENTS_BYTES = 1_388_584  # ...which are these bytes: its parameters in float32
 GRPC_HOP_LATENCY_S = GRPC_TINY_ALLREDUCE_S / 2  # 2(N-1) = 2 hops at N = 2
 GRPC_BYTES_PER_S = GRPC_GRADIENTS_BYTES / (GRPC_GRADIENTS_ALLREDUCE_S - GRPC_TINY_ALLREDUCE_S)  # 2(N-1)/N = 1 at N = 2
 NETWORK_HOP_LATENCY_S = 20e-6  # assumed: one TCP hop through a data-centre switch, a few tens of microseconds
 NETWORKS = {"10 Gb/s": 10e9 / 8, "100 Gb/s": 100e9 / 8}  # link bandwidth, bytes/s
 
-# NCCL's ring across nodes. Bus bandwidth: 192 GB/s all-reduce on DGX A100 nodes with 8 x 200 Gb/s InfiniBand
-# (NVIDIA, github.com/NVIDIA/nccl/issues/812). Hop latency: 40 H100 ranks (5 nodes of 8) forced to the ring took
-# 354.9 us for a 1 MB all-reduce (github.com/NVIDIA/nccl/issues/1368); less its bytes' 10.8 us at 190 GB/s, over
-# 2(40-1) hops, 4.4 us a hop.
+# NCCL's ring across nodes, from published figures (sources and derivation: docs/history.md, "Networks and GPUs").
+# Bus bandwidth: NVIDIA's all-reduce on DGX A100 nodes over InfiniBand (github.com/NVIDIA/nccl/issues/812). Hop
+# latency: a 1 MB all-reduce of 40 H100 ranks forced to the ring (github.com/NVIDIA/nccl/issues/1368), less its
+# bytes' time, over its 2(40-1) hops.
 NCCL_BUS_BYTES_PER_S = 192e9
 NCCL_HOP_LATENCY_S = 4.4e-6
-# Assumed, not measured: one GPU's step for the tutorial's model at batch 64 or 256. Its 3.3 MFLOP an image (forward
-# and backward) are 0.2-0.8 GFLOP a step, well under 0.1 ms on a data-centre GPU, so the step is TensorFlow's own
-# per-step cost (launching some 50 kernels, the executor, the input), which no figure here pins down.
+# Assumed, not measured: one GPU's step for the tutorial's model at batch 64 or 256. Its arithmetic takes a
+# data-centre GPU a small part of that, so the step is TensorFlow's own per-step cost (kernel launches, the
+# executor, the input), which no figure here pins down (docs/history.md, "Networks and GPUs").
 GPU_STEP_S = {"low": 0.5e-3, "central": 1e-3, "high": 2e-3}
 
 # What benchmarks/scaling.py measured on the tutorial's model (medians of train_images_per_s over 2 rounds, 2 epochs a run, tracing and

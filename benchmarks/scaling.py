@@ -12,14 +12,14 @@ Each configuration runs train_mnist_mirrored.py itself, in fresh processes, on a
 - with --allreduce-dtype, 2 workers again, all-reducing their gradients in that type, in the same rounds.
 
 Every process is pinned to its core (sched_setaffinity, as `taskset -c` does) and told to use one thread for
-TensorFlow's op pools (TF_NUM_INTRAOP_THREADS=1, TF_NUM_INTEROP_THREADS=1): pinned alone, TensorFlow still sizes
-its pools for every core of the machine, and one core then runs twice the threads. A configuration's figure is
-the run's own `train_images_per_s` (training images over the wall seconds of `fit`, first epoch and tracing
-included), and its images per CPU-second of `fit`, summed over its processes (`train_cpu_seconds` of
-results.json), which neither the hypervisor's steal nor other programs' load on the machine blurs as much. The
-rounds alternate the order of the configurations (A B C, then C B A), and the table gives medians over rounds
-with the load average when each run started (`uptime`'s first figure): on a shared machine only figures measured
-side by side in one run compare.
+TensorFlow's op pools (TF_NUM_INTRAOP_THREADS=1, TF_NUM_INTEROP_THREADS=1): pinned alone, TensorFlow still sizes its
+pools for every core of the machine, and one core then runs twice the threads, which slows a bare train step
+(docs/history.md, "Figures from the code's comments"). A configuration's figure is the run's own
+`train_images_per_s` (training images over the wall seconds of `fit`, first epoch and tracing included), and its
+images per CPU-second of `fit`, summed over its processes (`train_cpu_seconds` of results.json), which neither the
+hypervisor's steal nor other programs' load on the machine blurs as much. The rounds alternate the order of the
+configurations (A B C, then C B A), and the table gives medians over rounds with the load average when each run
+started (`uptime`'s first figure): on a shared machine only figures measured side by side in one run compare.
 
 The 2-worker efficiency is the 2-worker images/s over twice the 1-replica images/s: 1.0 would be perfect
 scaling; the CPU efficiency is the same ratio of images per CPU-second. Figures go to benchmarks/scaling.json.

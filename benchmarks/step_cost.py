@@ -3,11 +3,11 @@
     python benchmarks/step_cost.py --data-dir DIR                   # 30 rounds of an epoch's steps each
     python benchmarks/step_cost.py --idx-dir ../shared/datasets/mnist --rounds 10
 
-`throughput.py` compares whole runs, each in a fresh process, whose speed moves from one process to the
-next by more than the per-step differences looked for here (docs/performance.md). Here every variant lives in one
-process, traced and warmed up first, and each round runs each variant's steps in turn (in reverse order every other
-round), so that the machine's drift hits all alike; each variant's time is read against the ceiling's of the
-same round. The variants, each with a model of its own:
+`throughput.py` compares whole runs, each in a fresh process, whose speed moves from one process to the next by
+more than a per-step difference of a few per cent (docs/performance.md, "How to benchmark"). Here every variant
+lives in one process, traced and warmed up first, and each round runs each variant's steps in turn (in reverse
+order every other round), so that the machine's drift hits all alike; each variant's time is read against the
+ceiling's of the same round. The variants, each with a model of its own:
 
 - ceiling: the train step looping inside one tf.function over batches already in memory (throughput.py's);
 - keras_memory: Keras's own train function (the default run's steps a call) over the same batches, read through

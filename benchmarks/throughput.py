@@ -117,8 +117,8 @@ def tutorial_round(data_dir, info, cfg, strategy, epochs, work_dir):
            keras.callbacks.ModelCheckpoint(os.path.join(work_dir, "ckpt_{epoch}"), save_weights_only=True),
            schedule, callbacks.PrintLR()]
     # `fit` with its default progress bar, as the tutorial and the default run call it (the round's stdout goes to
-    # a pipe): verbose=0 measured slower, so it would not measure the run users get (docs/history.md,
-    # "How it was benchmarked").
+    # a pipe): verbose=0 measured slower (docs/history.md, "How it was benchmarked"), so measuring with it would not
+    # measure the run users get.
     wall, cpu, epoch_seconds = _timed_fit(model, train, cbs, epochs=epochs)
     return info.splits["train"].num_examples * epochs, wall, cpu, epoch_seconds
 

@@ -17,8 +17,8 @@ naming the versions and what changed when an upgrade moves it.
 - TensorFlow's error texts (worker_group, outputs): the tasks named in an error, the tasks a registration timed
   out on, the reason a collective was aborted, a gRPC server that could not start, and the file a write found no
   room for.
-- The device-side pipelines of TensorFlow's multi-device iterator (data): `_create_device_dataset`.
-- tfds's builder, preparing without its two lines (prepare_mnist): `_log_download_bytes` and `_log_download_done`.
+- The device-side pipelines of TensorFlow's multi-device iterator (input_engine): `_create_device_dataset`.
+- tfds's builder, preparing without its two lines (tfds_builders): `_log_download_bytes` and `_log_download_done`.
 - The variables Keras creates in a train step's first call (train_mnist_mirrored's fit, export.reload): a legacy
   optimizer's `_create_all_weights`, the compiled loss's and metrics' `build`.
 """

@@ -180,9 +180,10 @@ def leave(status):
     worker has saved by then, so none is killed mid-save when another's exit ends the Slurm step (srun
     --kill-on-bad-exit, deploy/slurm.sbatch).
 
-    TensorFlow's teardown of a multi-worker runtime takes 2-20 s and logs errors when the coordination service's
-    host is gone first; after a collective abort it is unusable anyway. Everything worth keeping is on disk by
-    now (checkpoints, backup, TensorBoard's events, which its writers flush at each epoch's end).
+    TensorFlow's teardown of a multi-worker runtime takes seconds and logs errors when the coordination service's
+    host is gone first (docs/clusters.md, "Leaving together"); after a collective abort it is unusable anyway.
+    Everything worth keeping is on disk by now (checkpoints, backup, TensorBoard's events, which its writers flush
+    at each epoch's end).
     """
     if status in (EXIT_OK, EXIT_PREEMPTED):
         with contextlib.suppress(Exception):  # a worker gone by now: this one has finished all the same
@@ -193,9 +194,9 @@ def leave(status):
 # ---------------------------------------------------------------- a lost peer
 
 # Measured with two workers on loopback: a peer's process killed, or stopped so that its heartbeats stop,
-# aborts every collective op here with UnavailableError (within 1 s, or 6 s for the heartbeats); the peer
-# hosting the coordination service stopped gives DeadlineExceededError on its heartbeat (11 s). So no
-# collective timeout is needed for a survivor to leave. Which task was lost the message does not reliably
+# aborts every collective op here with UnavailableError; the peer hosting the coordination service stopped gives
+# DeadlineExceededError on its heartbeat (how soon: docs/clusters.md, "A lost worker"). So no collective timeout
+# is needed for a survivor to leave. Which task was lost the message does not reliably
 # say: it may name the peer, or only this task (the one whose op was aborted).
 
 

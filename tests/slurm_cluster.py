@@ -26,7 +26,7 @@ PACKAGES = "slurmctld slurmd slurm-client munge"
 # What each node says it has (SlurmdParameters=config_overrides): enough for deploy/slurm.sbatch's
 # --cpus-per-task as written, whatever the machine has. Nothing binds tasks to CPUs (task/none).
 NODE_CPUS = 8
-START_SECONDS = 60  # daemons up and the nodes idle; about 2 s here
+START_SECONDS = 60  # daemons up and the nodes idle, which takes them seconds
 STOP_SECONDS = 20
 CRED_EXPIRE_SECONDS = 10
 SCHEDULER_SECONDS = 1

@@ -24,7 +24,7 @@ from machinery import worker_sources
 from conftest import EXIT_SECONDS, ROOT, Worker, finish, free_ports, subprocess_env, wait_until
 
 TIMEOUT = 5  # --cluster-timeout of these tests, seconds
-# A generous bound on a loaded 2-core machine: TensorFlow alone takes 5-15 s to load.
+# A generous bound on a loaded 2-core machine, where loading TensorFlow alone takes seconds.
 START_SECONDS = 60
 
 

@@ -1,4 +1,6 @@
-"""Every relative link in README.md, docs/*.md and tests/README.md reaches a file, and every #anchor a heading in it.
+"""Every relative link in README.md, docs/*.md and tests/README.md reaches a file, and every #anchor a heading in it;
+and the prose a user reads makes no promise a machine measured once: no measured figure in --help, no test count
+in the README, docs/performance.md short enough to read.
 
 Anchors follow GitHub's rule for heading ids: lowercase, punctuation other than '-' and '_' removed, each space a
 '-', and a repeated heading gets -1, -2, ... Code blocks are skipped: their '#' lines are not headings. Pure
@@ -18,6 +20,14 @@ PAGES = ([README] + sorted(os.path.join(DOCS, name) for name in os.listdir(DOCS)
          + [TESTS_README])
 
 LINK = re.compile(r"\]\(([^)\s]+)\)")
+# A measured figure: a number with a unit of time, size or share ("3.8 ms", "47 MB", "20 %", across a wrapped line
+# too), or a ratio ("1.17x", "1.2×"). --help gives its settings' units in words ("seconds a worker waits"), and
+# "16 x (...)" is a formula, not a ratio.
+UNITS = r"ms|s|sec|seconds?|minutes?|CPU-seconds?|CPU-s|KB|MB|GB|MiB|GiB|%|per cent|images/s"
+MEASUREMENT = re.compile(rf"\b\d[\d,.]*(-[\d.]+)?\s*({UNITS})(?!\w)|\b\d[\d,.]*[x×](?!\w)")
+TEST_COUNT = re.compile(r"\b\d+ (tests|passed)\b")
+PERFORMANCE_PAGE_LIMIT = 15_000  # bytes
+
 HEADING = re.compile(r"^(#{1,6})\s+(.*?)\s*#*\s*$")
 
 
@@ -98,3 +108,33 @@ def test_readme_contents_lists_its_own_sections():
     assert [a for a in listed if a in sections] == sections
     assert set(listed) <= anchors(README)
 
+
+def test_measurement_pattern_finds_figures_and_passes_settings():
+    for figure in ("1.17x the step time", "1.2× as fast", "3.8 ms of a 26 ms step", "47 MB", "about 5 CPU-seconds",
+                   "0.1-0.3 s more", "20 %", "2-20\n   s", "12,957 images/s"):
+        assert MEASUREMENT.search(figure), figure
+    for setting in ("10000 + 16 x (SLURM_JOB_ID mod 1400)", "(default: 600)", "1e-3", "--cpu-replicas 2 or more",
+                    "TensorFlow 2.21", "/gpu:0,/gpu:1", "2 steps"):
+        assert not MEASUREMENT.search(setting), setting
+
+
+def test_help_names_no_measured_figure():
+    """A figure measured on one machine reads as a promise in --help; the docs keep it, with the machine named."""
+    import config
+
+    text = config.build_parser("train_mnist_mirrored.py", "").format_help()
+    found = [match.group(0) for match in MEASUREMENT.finditer(text)]
+    assert not found, f"--help quotes measured figures {found}; give them in docs/performance.md and link there"
+
+
+def test_performance_page_stays_short():
+    size = os.path.getsize(os.path.join(DOCS, "performance.md"))
+    assert size < PERFORMANCE_PAGE_LIMIT, (f"docs/performance.md is {size} bytes; keep it under "
+                                           f"{PERFORMANCE_PAGE_LIMIT} and move how figures came about to "
+                                           "docs/history.md")
+
+
+def test_readme_names_no_test_count():
+    """Test counts and suite times live in tests/README.md only, where they are kept up to date."""
+    found = [match.group(0) for line in prose_lines(README) for match in TEST_COUNT.finditer(line)]
+    assert not found, f"README.md names {found}; say it in tests/README.md and link there"

@@ -119,7 +119,8 @@ def test_one_replica_gets_the_same_batches_without_the_multi_device_iterator(loa
 def test_multi_device_iterators_build_their_device_pipelines_untuned(loaded):
     """Several replicas or workers, and their evaluations, still read through TensorFlow's multi-device iterator;
     once the run has distributed its input, the device-side pipelines that iterator builds have tf.data's
-    autotuner off (its thread, waited for at teardown, held a two-worker `fit` 17 s after its last epoch)."""
+    autotuner off (its thread, waited for at teardown, held a two-worker `fit` long after its last epoch:
+    docs/history.md, "What changed in the project")."""
     _, _, splits = loaded
     test = input_engine.eval_batches(splits["test"], data.RECIPE, global_batch=BATCH)
     input_engine.distribute(tf.distribute.MirroredStrategy(["/cpu:0"]), lambda share: test)

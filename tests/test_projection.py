@@ -28,13 +28,14 @@ def _project(*args):
 
 
 def test_the_measured_figures_are_the_ones_docs_quote():
-    """1-replica and 2-worker step times from the benchmark's images/s, as docs/history.md gives them."""
+    """1-replica and 2-worker step times from the benchmark's images/s, as docs/history.md gives them ("The fitted
+    terms")."""
     steps = {(where.split()[1], batch): (round(one * 1e3, 1), round(two * 1e3, 1))
              for where, _, batch, one, two in MEASURED_STEPS}
     assert steps[("AMD", 64)] == (6.4, 14.3)
     assert steps[("x86-64", 64)] == (17.4, 24.3)
     assert steps[("x86-64", 256)] == (69.7, 82.8)
-    # The all-reduce measured beside them moved the tutorial's model's gradients: 347,146 float32.
+    # The all-reduce measured beside them moved the tutorial's model's gradients, in float32.
     assert projection.GRPC_GRADIENTS_BYTES == 4 * 347_146
 
 
@@ -60,7 +61,7 @@ def test_fit_gives_back_the_measured_steps(as_launch):
 
 def test_fit_refuses_a_two_worker_step_faster_than_the_allreduce_allows():
     with pytest.raises(projection.UsageError, match="all-reduce"):
-        projection.fit(10e-3, 10.5e-3)  # 0.5 ms more than one replica, less than a 4-byte all-reduce's 0.75 ms
+        projection.fit(10e-3, 10.5e-3)  # 0.5 ms more than one replica: less than a 4-byte all-reduce takes
 
 
 def test_efficiency_is_one_alone_and_falls_with_workers():

@@ -269,8 +269,8 @@ def test_two_workers_to_one_and_back_to_two(tmp_path, resume_data_dir):
     workers[0].wait_for(f"Epoch 2/{EPOCHS}")
     workers[1].proc.send_signal(signal.SIGTERM)
     exits = _exit_seconds(workers, since=time.monotonic())
-    # They leave together (asked: within 5 s of the first; 16-22 s apart under real Slurm before they left
-    # without TensorFlow's teardown); the bound is only a generous guard for a loaded machine.
+    # They leave together (asked: within 5 s of the first; docs/clusters.md, "Leaving together", has what they
+    # took before they left without TensorFlow's teardown); the bound is only a generous guard for a loaded machine.
     print(f"SIGTERM to worker 1 of 2: exits {exits[0]:.2f} s and {exits[1]:.2f} s after it")
     assert abs(exits[0] - exits[1]) < EXIT_SECONDS / 4
     _preempted(workers)

@@ -20,7 +20,7 @@ TOTAL_IMAGES = SMOKE_EPOCHS * SMOKE_STEPS * SMOKE_BATCH
 
 def _sigterm_blocked(pid):
     """True once the process blocks SIGTERM (sigterm.watched): from then on its own thread takes it. Before that
-    (the interpreter's start, about 0.1 s) SIGTERM ends it as the kernel does, by the signal."""
+    (the interpreter's start) SIGTERM ends it as the kernel does, by the signal."""
     with open(f"/proc/{pid}/status") as f:
         blocked = next(int(line.split()[1], 16) for line in f if line.startswith("SigBlk:"))
     return bool(blocked & 1 << (signal.SIGTERM - 1))

@@ -39,7 +39,7 @@ FLAGS = ["--epochs", str(EPOCHS), "--batch-size-per-replica", str(BATCH), "--ste
          "--backup-every-steps", "10"]
 # The batch script asks for two nodes of one task; one node runs both tasks here.
 ONE_NODE = ["--nodes=1", "--ntasks=2", "--ntasks-per-node=2", "--cpus-per-task=1"]
-JOB_SECONDS = 300  # a guard against a hang; a job takes 20-45 s here
+JOB_SECONDS = 300  # a guard against a hang, far above a job's own time
 # Inside the two namespaces every port is free: Slurm's own defaults.
 SLURMCTLD_PORT, SLURMD_PORT = 6817, 6818
 

@@ -2,8 +2,8 @@
 damaged latest backup resumes from the one before it, and a backup with no whole checkpoint is refused untouched.
 
 One run fills a tmpfs (root only) at its third backup (two are kept): sized from the model, room for two and a half
-backups (10 MB for the tutorial's model, whose backups are 4 MB each). It leaves a backup of two checkpoints: copies
-of it, damaged, serve the other tests.
+backups (the tutorial's model's sizes: docs/faults.md, "A full disk"). It leaves a backup of two checkpoints:
+copies of it, damaged, serve the other tests.
 """
 
 import errno
@@ -24,7 +24,7 @@ EVERY = 10  # steps between backups: 320 images
 ARGS = ["--epochs", str(EPOCHS), "--batch-size-per-replica", str(BATCH), "--steps-per-execution", "5",
         "--backup-every-steps", str(EVERY)]
 FULL_BACKUPS = 2.5  # the tmpfs's room, in backups: two are kept, and the third finds no room
-ROOMY_BACKUPS = 16  # room for the whole run: backups, checkpoints and exports (64 MB for the tutorial's model)
+ROOMY_BACKUPS = 16  # room for the whole run: backups, checkpoints and exports
 ROOMY_BYTES = 64 * 2 ** 20  # at least: the exports and logs of a small model take more than its backups
 
 
