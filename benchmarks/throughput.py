@@ -64,7 +64,10 @@ VARIANTS = {
     "strategy_default": ["--strategy", "default"],
     # Keras's mixed_bfloat16 policy: faster where the CPU computes bfloat16 (AVX512_BF16, AMX), slower elsewhere.
     "bfloat16": ["--mixed-precision", "bfloat16"],
+    # Both splits streamed from tfds's files every epoch, as a split larger than --resident-limit-mb is.
+    "streamed": ["--resident-limit-mb", "0"],
 }
+BASELINE = "baseline"  # --baseline DIR: that checkout's default run, in the same rounds
 
 
 def _cpu_seconds():
@@ -123,11 +126,11 @@ def tutorial_round(data_dir, info, cfg, strategy, epochs, work_dir):
     return info.splits["train"].num_examples * epochs, wall, cpu, epoch_seconds
 
 
-def project_round(data_dir, epochs, options):
-    """The project's own run, `train_mnist_mirrored.py` with `options`, in a fresh process: `fit`'s figures from
-    its results.json, and the test accuracy of its restored checkpoint."""
+def project_round(data_dir, epochs, options, entrypoint=ENTRYPOINT):
+    """The project's own run, `entrypoint` with `options`, in a fresh process: `fit`'s figures from its
+    results.json, and the test accuracy of its restored checkpoint."""
     with tempfile.TemporaryDirectory(prefix="mnist-bench-run-") as output_dir:
-        proc = subprocess.run([sys.executable, ENTRYPOINT, "--data-dir", data_dir, "--epochs", str(epochs),
+        proc = subprocess.run([sys.executable, entrypoint, "--data-dir", data_dir, "--epochs", str(epochs),
                                "--output-dir", output_dir, *options], capture_output=True, text=True)
         if proc.returncode != 0:
             raise RuntimeError(f"the run {' '.join(options) or '(defaults)'} failed:\n{proc.stderr[-3000:]}")
@@ -210,11 +213,13 @@ def measure_one(name, data_dir, epochs):
         return tutorial_round(data_dir, info, cfg, strategy, epochs, work_dir)
 
 
-def run_one(name, data_dir, epochs):
-    """Runs one round in a fresh process; its figures plus the machine's steal share while it ran."""
+def run_one(name, data_dir, epochs, baseline=None):
+    """Runs one round in a fresh process; its figures plus the machine's steal share while it ran. `baseline` is
+    another checkout's folder, whose default run the round named BASELINE runs."""
     before = _cpu_ticks()
-    if name in VARIANTS:
-        timing, accuracy = project_round(data_dir, epochs, VARIANTS[name])
+    if name in VARIANTS or name == BASELINE:
+        timing, accuracy = (project_round(data_dir, epochs, VARIANTS[name]) if name in VARIANTS else
+                            project_round(data_dir, epochs, [], os.path.join(baseline, os.path.basename(ENTRYPOINT))))
         figures = {**rates(*timing), "test_accuracy": accuracy}
     else:
         proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--data-dir", data_dir, "--epochs",
@@ -331,6 +336,8 @@ def main(argv=None):
     parser.add_argument("--epochs", type=int, default=Config().epochs, help="full epochs per round (default: the default run's)")
     parser.add_argument("--quick", action="store_true", help=f"for development: {QUICK['epochs']} epochs, {QUICK['rounds']} rounds")
     parser.add_argument("--variants", default="project", help=f"comma-separated, from: {','.join(VARIANTS)}")
+    parser.add_argument("--baseline", help="another checkout's folder: its default run joins every round, set against "
+                                           "this one's")
     parser.add_argument("--output", default="benchmarks/throughput.json", help="JSON file for the figures")
     parser.add_argument("--one", help=argparse.SUPPRESS)  # internal: measure one round in this process
     if parser.parse_args(argv).quick:
@@ -346,16 +353,19 @@ def main(argv=None):
             raise UsageError(f"unknown variant(s) {', '.join(sorted(unknown))}; choose from {', '.join(VARIANTS)}")
         if "project" not in names:
             raise UsageError("--variants must include project, the run the ratios are about; add it")
+        if args.baseline and not os.path.isfile(os.path.join(args.baseline, os.path.basename(ENTRYPOINT))):
+            raise UsageError(f"--baseline {args.baseline} holds no {os.path.basename(ENTRYPOINT)}; give a checkout's folder")
         if args.rounds < 1 or args.epochs < 1:
             raise UsageError("--rounds and --epochs must be at least 1")
         work, data_dir, _ = prepared_data(args)
     except UsageError as err:
         return terminal.stopped(EXIT_BAD_INPUT, err)
 
-    rounds = {name: [] for name in ["tutorial", *names, "ceiling"]}
+    rounds = {name: [] for name in ["tutorial", *names, *([BASELINE] if args.baseline else []), "ceiling"]}
     for round_ in range(args.rounds):
-        for name in rounds:
-            rounds[name].append(run_one(name, data_dir, args.epochs))
+        # Every other round in reverse order, so that no pipeline always follows the same one.
+        for name in (list(rounds) if round_ % 2 == 0 else reversed(list(rounds))):
+            rounds[name].append(run_one(name, data_dir, args.epochs, args.baseline))
             print(f"round {round_ + 1}  {name:<22} {_describe(rounds[name][-1])}", flush=True)
 
     results = summarize(rounds, args)
