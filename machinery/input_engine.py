@@ -116,7 +116,7 @@ def open_split(info, name, *, limit_mb):
 def records(info, name):
     """The split's examples in tfds's record order, in batches of READ_BATCH (images, labels). tfds's own reader
     parses one example at a time; parsing its record files in vectorised batches, and decoding with tfds's image
-    feature in parallel, is several times faster (docs/performance.md)."""
+    feature in parallel, is several times faster (docs/history.md, "What was found")."""
     serialized = info.features.get_serialized_info()
     spec = {key: tf.io.FixedLenFeature(tensor.shape, tensor.tf_dtype) for key, tensor in serialized.items()}
     image = info.features["image"]
@@ -265,13 +265,14 @@ def index_batches(stream, recipe):
         order = recipe.shuffle(tf.data.Dataset.range(stream.num_examples), buffer_size=stream.buffer_size,
                                seed=stream.seed + epoch)
         whole = order.take(stream.images_an_epoch).batch(stream.images_an_epoch)
-        return whole.prefetch(1).flat_map(lambda indices: slices(indices, first))
+        return whole.map(lambda indices: (indices, tf.constant(first, tf.int64)))
 
     def slices(order, first):
         starts = tf.data.Dataset.range(first, tf.shape(order, out_type=tf.int64)[0], stream.global_batch)
         return starts.map(lambda start: order[start:start + stream.global_batch])
 
-    return epochs_of(stream, one_epoch)
+    # Prefetched across the epochs: the next epoch's order is drawn while this one's batches are read.
+    return epochs_of(stream, one_epoch).prefetch(1).flat_map(slices)
 
 
 def example_batches(split, stream, recipe):
