@@ -93,7 +93,7 @@ class Split:
 def split_mb(info, name):
     """The MB a split's images take in memory: examples times the image's shape times its type's bytes."""
     image = info.features["image"]
-    return info.splits[name].num_examples * math.prod(image.shape) * tf.as_dtype(image.dtype).size / MB
+    return info.splits[name].num_examples * math.prod(image.shape) * tf.as_dtype(image.tf_dtype).size / MB
 
 
 def open_split(info, name, *, limit_mb):

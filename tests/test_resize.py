@@ -99,7 +99,7 @@ def _assert_resumed_at(worker, position, now_batch):
 
 def _assert_each_image_once(segments):
     """`segments`: for each process in turn, (first position, last position, global batch). Rebuilds from
-    data.index_batches the batches each process trained and checks, epoch by epoch, that together they are
+    input_engine.index_batches the batches each process trained and checks, epoch by epoch, that together they are
     that epoch's seeded order: every training image once, none skipped, none twice."""
     trained = {epoch: [] for epoch in range(EPOCHS)}
     for (first_epoch, first_image), (last_epoch, last_image), batch in segments:

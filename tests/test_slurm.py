@@ -24,6 +24,7 @@ import pytest
 
 import netns
 import slurm_cluster
+from machinery.exits import EXIT_PEER_LOST, EXIT_PREEMPTED
 from conftest import (EXIT_SECONDS, ROOT, backed_up_images, free_ports, images_at, skip_unless_ci, started,
                       wait_for_backup_after)
 from slurm_cluster import Node, SlurmCluster, wait_for_text, watch
@@ -121,7 +122,7 @@ def chain(one_node, tmp_path_factory, resume_data_dir):
 def test_term_mid_epoch_ends_every_task_with_143_naming_where_it_saved(chain):
     job, output, exits = chain.jobs["term"]
     print(f"\nscancel --signal=TERM: srun reported {exits} (status, seconds after scancel)")
-    assert statuses(exits) == {0: exits.EXIT_PREEMPTED, 1: exits.EXIT_PREEMPTED}, output[-3000:]
+    assert statuses(exits) == {0: EXIT_PREEMPTED, 1: EXIT_PREEMPTED}, output[-3000:]
     assert job["JobState"] == "FAILED" and job["ExitCode"] == "143:0" and job["Restarts"] == "0"
     # Both tasks stopped at the same image, inside epoch 2, and say so in their last line.
     assert len(chain.saved) == 2 and len(set(chain.saved)) == 1, output[-3000:]
@@ -236,7 +237,7 @@ def test_first_tasks_port_taken_ends_the_step_at_once_and_the_job_after_its_rest
           f"{job['ExitCode']} after {time.monotonic() - sent:.1f} s")
     # Task 0 exits with the retryable status, and the step ends at once: task 1 does not wait out
     # --cluster-timeout for it. The step is rerun once (MNIST_MAX_RESTARTS), which meets the same port.
-    assert statuses(exits) == {0: exits.EXIT_PEER_LOST, 1: exits.EXIT_PREEMPTED}, output[-3000:]
+    assert statuses(exits) == {0: EXIT_PEER_LOST, 1: EXIT_PREEMPTED}, output[-3000:]
     assert job["JobState"] == "FAILED" and job["ExitCode"] == "138:0", output[-3000:]
     errors = [line for line in output.splitlines() if line.startswith("error:")]
     taken_lines = [line for line in errors if f"port {base}" in line]

@@ -20,6 +20,7 @@ WORKER_SCRIPT = textwrap.dedent("""
     import numpy as np
     import tensorflow as tf
     import data
+    from machinery import input_engine
     from model import build_model, compile_model, keras
 
     strategy = tf.distribute.MultiWorkerMirroredStrategy(
@@ -36,12 +37,12 @@ WORKER_SCRIPT = textwrap.dedent("""
     for num_examples in (19, 17):
         images = tf.constant(rng.integers(0, 256, (num_examples, *image_shape), dtype=np.uint8))
         labels = tf.constant(rng.integers(0, num_classes, num_examples), tf.int64)
-        steps = data.steps_per_epoch(num_examples, global_batch)
-        stream = data.Stream(num_examples=num_examples, global_batch=global_batch, buffer_size=8, seed=3, epochs=2)
-        make_dataset = functools.partial(data.step_batches, images, labels, stream,
-                                         pad_to=strategy.num_replicas_in_sync)
-        paths = {"project": data.distribute(strategy, make_dataset),
-                 "keras": strategy.experimental_distribute_dataset(make_dataset(share=data.WHOLE))}
+        steps = input_engine.steps_per_epoch(num_examples, global_batch)
+        stream = input_engine.Stream(num_examples=num_examples, global_batch=global_batch, buffer_size=8, seed=3, epochs=2)
+        make_dataset = functools.partial(input_engine.step_batches, input_engine.Split(None, "train", images, labels),
+                                         stream, data.RECIPE, pad_to=strategy.num_replicas_in_sync)
+        paths = {"project": input_engine.distribute(strategy, make_dataset),
+                 "keras": strategy.experimental_distribute_dataset(make_dataset(share=input_engine.WHOLE))}
 
         def labels_seen(distributed):  # each step's labels on this worker, and their weights
             iterator = iter(distributed)
@@ -58,7 +59,7 @@ WORKER_SCRIPT = textwrap.dedent("""
                 model.compile(optimizer=keras.optimizers.SGD(0.5),
                               loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
             # Keras's path is handed the plain dataset, as `fit` gets it from users.
-            model.fit(make_dataset(share=data.WHOLE) if name == "keras" else distributed, epochs=2,
+            model.fit(make_dataset(share=input_engine.WHOLE) if name == "keras" else distributed, epochs=2,
                       steps_per_epoch=steps, verbose=0)
             out[f"weights_{name}_{num_examples}"] = [w.tolist() for w in model.get_weights()]
         out[f"initial_{num_examples}"] = [w.tolist() for w in initial]
@@ -74,14 +75,14 @@ WORKER_SCRIPT = textwrap.dedent("""
 
     # The run's default under multiworker: each step shows this worker's running means, read without an
     # all-reduce; the epoch's figures, and evaluation's, are still all workers'.
-    evaluation = make_dataset(share=data.WHOLE)
+    evaluation = make_dataset(share=input_engine.WHOLE)
     with strategy.scope():
         local = compile_model(build_model(image_shape, num_classes), steps_per_execution=steps, worker_step_metrics=True)
         local.set_weights(model.get_weights())
     out["evaluate_all"] = model.evaluate(evaluation, steps=steps, verbose=0)
     out["evaluate_worker"] = local.evaluate(evaluation, steps=steps, verbose=0)
     seen.clear()
-    history = local.fit(data.distribute(strategy, make_dataset), epochs=1, steps_per_epoch=steps, verbose=0,
+    history = local.fit(input_engine.distribute(strategy, make_dataset), epochs=1, steps_per_epoch=steps, verbose=0,
                         callbacks=[logs_seen])
     out["worker_step_logs"], out["worker_epoch_logs"] = seen[-1], {k: v[-1] for k, v in history.history.items()}
     out["worker_examples"] = sum(sum(weights) for _, weights in out[f"labels_project_{num_examples}"][:steps])

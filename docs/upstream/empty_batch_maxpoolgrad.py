@@ -9,7 +9,7 @@ Minimal reproducer, fit for an upstream report (tensorflow/tensorflow). Run: `py
   `tensorflow::MklMaxPoolingGradOp<>::Compute()`. Another x86-64 CPU ran it to the end.
 - Why it matters: under `tf.distribute`, a global batch of fewer examples than replicas leaves a replica with an
   empty batch (an epoch's short last batch), and its train step aborts the whole job, at the same step on every
-  restart. mnist-mirrored pads such batches (data.padded); tests/test_empty_batches.py runs this file to tell
+  restart. mnist-mirrored pads such batches (machinery/input_engine.padded); tests/test_empty_batches.py runs this file to tell
   whether TensorFlow still needs that.
 """
 
