@@ -1,12 +1,15 @@
-"""Tutorial step 2: the dataset through tensorflow_datasets, scaled to [0, 1], shuffled and batched.
+"""Tutorial step 2: the dataset through tensorflow_datasets, each example scaled to [0, 1], cached, shuffled and
+batched; an augmentation of training examples may join them.
 
 The dataset is config.Config.dataset (`--dataset`), mnist unless changed: any tfds image classification dataset
-with `image` and `label` features, its images' shape and its classes read from its DatasetInfo. Offline, `--idx-dir`
-(or `python prepare_mnist.py`) prepares an MNIST-format one from its four IDX files first.
+with `image` and `label` features. Offline, `--idx-dir` (or `python prepare_mnist.py`) prepares an MNIST-format one
+from its four IDX files first.
 
-`load`, `scale`, `shuffle` and `batch` are the tutorial's pipeline. The input engine below (machinery/
-input_engine.py) makes what `fit` and `evaluate` read from them: a split that fits `--resident-limit-mb` held in
-memory beside the model and gathered inside the train step, a larger one streamed from tfds's files every epoch.
+`scale` and `augment` are yours: each sees one example, as `Dataset.map` calls it, and what `scale` returns (a
+resized image, one-hot labels, several features) is what the model is built for (`model_input`). The steps below
+read as the tutorial's pipeline; the input engine under them (machinery/input_engine.py) keeps each epoch's order
+exact at any resume and on any number of replicas, caches a split that fits `--resident-limit-mb` and streams a
+larger one from tfds's files.
 """
 
 import tensorflow as tf
@@ -17,14 +20,14 @@ import prepare_mnist
 from machinery import input_engine, tfds_builders
 from machinery.exits import UsageError
 
-FEATURES = ("image", "label")  # what the model trains on, as tfds's supervised image datasets name them
+FEATURES = (input_engine.IMAGE, input_engine.LABEL)  # what the model trains on, as tfds names them
 
 
-# ---------------------------------------------------------------- the tutorial's pipeline
+# ---------------------------------------------------------------- load
 
 def load(name, data_dir=None, idx_dir=None):
-    """Tutorial: `tfds.load(name, with_info=True)`, for its DatasetInfo: the input engine reads the prepared record
-    files itself. Fails fast offline; with `idx_dir`, a data dir that holds no prepared `name` is prepared from
+    """Tutorial: `tfds.load(name, with_info=True)`, its DatasetInfo here, its examples split by split (`split`).
+    Fails fast offline; with `idx_dir`, a data dir that holds no prepared `name` is prepared from
     the IDX files there first."""
     if data_dir is not None and not tf.io.gfile.isdir(data_dir) and idx_dir is None:
         raise UsageError(f"--data-dir {data_dir} does not exist; {prepare_mnist.hint(name, data_dir)}")
@@ -57,11 +60,14 @@ def checked(info):
 
 
 def image_shape_and_classes(info=None):
-    """What a model of this data is built for, from tfds's DatasetInfo: the image shape (height, width, channels)
-    and the number of classes. Without `info`, the configured dataset's builder gives them without any data."""
+    """The images as tfds stores them, before `scale`: their shape (height, width, channels; None where they vary)
+    and the number of classes, from DatasetInfo. Without `info`, the configured dataset's builder gives them
+    without any data."""
     info = tfds_builders.declared_info(config.Config.dataset) if info is None else info
     return info.features["image"].shape, info.features["label"].num_classes
 
+
+# ---------------------------------------------------------------- scale, and augment: one example each
 
 def scale(image, label):
     """Tutorial: pixels from uint8 [0, 255] to float32 [0, 1]."""
@@ -70,36 +76,36 @@ def scale(image, label):
     return image, label
 
 
-def shuffle(examples, *, buffer_size, seed):
-    """Tutorial: `shuffle(BUFFER_SIZE)`, seeded: each epoch's order has a seed of its own (the run's seed plus the
-    epoch's number), so that every run, resumed or not, sees the same order."""
-    return examples.shuffle(buffer_size, seed=seed, reshuffle_each_iteration=False)
+# The tutorial augments nothing. An `augment(image, label, seed)` here is applied to each training example after
+# the shuffle, every epoch anew; `seed` is the example's own, for tf.image's stateless_random_* ops, so that a
+# resumed run augments as one never stopped (README, "Another dataset").
+augment = None
 
 
-def batch(examples, global_batch):
-    """Tutorial: `batch(BATCH_SIZE)`, the global batch: the batch per replica times the replicas in sync."""
-    return examples.batch(global_batch)
-
-
-RECIPE = input_engine.Recipe(scale=scale, shuffle=shuffle, batch=batch)
-
-
-# ---------------------------------------------------------------- what fit and evaluate read
+# ---------------------------------------------------------------- cache, shuffle, batch
 
 def split(info, name, *, limit_mb):
-    """One split, held in memory when its images take at most `limit_mb` MB, else streamed (input_engine.Split)."""
-    return input_engine.open_split(info, name, limit_mb=limit_mb)
+    """Tutorial: `map(scale)`, then `cache()`: the split's examples scaled, held in memory when they take at most
+    `limit_mb` MB, else streamed from tfds's files each epoch (input_engine.Split)."""
+    return input_engine.open_split(info, name, scale, limit_mb=limit_mb)
 
 
-def training_input(strategy, model, train, stream):
-    """What `fit` reads: the `stream`'s batches of the training split (resume.Plan.stream), shuffled and batched
-    by the recipe above, across the strategy's replicas (input_engine.training_input)."""
-    return input_engine.training_input(strategy, model, train, stream, RECIPE)
+def model_input(train, info):
+    """What the model is built for: one scaled example's features' shape (a nest of shapes for several features),
+    and the dataset's number of classes."""
+    features = train.element_spec[0]
+    return tf.nest.map_structure(lambda spec: tuple(spec.shape), features), info.features["label"].num_classes
+
+
+def training_input(strategy, train, stream):
+    """Tutorial: `shuffle(BUFFER_SIZE)` seeded anew each epoch, `augment`, `batch(BATCH_SIZE)` of the global batch,
+    across the strategy's replicas: the `stream`'s batches (resume.Plan.stream), from the first image not trained."""
+    return input_engine.training_input(strategy, train, stream, augment=augment)
 
 
 def eval_input(strategy, test, *, global_batch):
     """What each evaluation reads: the test split, scaled, in batches of `global_batch`."""
-    return input_engine.eval_input(strategy, test, RECIPE, global_batch=global_batch)
+    return input_engine.eval_input(strategy, test, global_batch=global_batch)
 
 
 def tutorial_datasets(name, data_dir, *, buffer_size, global_batch):

@@ -12,15 +12,13 @@ ceiling's of the same round. The variants, each with a model of its own:
 - ceiling: the train step looping inside one tf.function over batches already in memory (throughput.py's);
 - keras_memory: Keras's own train function (the default run's steps a call) over the same batches, read through
   tf.data and `input_engine.distribute` as the run reads a single replica's input: what Keras's loop costs;
-- keras_host: Keras's train function over batches gathered and scaled on tf.data's thread
-  (`input_engine.step_batches`), the input path before the split was resident on the device;
-- keras_project: the run's own path: only indices through tf.data, each step gathering and scaling its batch
-  from the resident split (`data.training_input`), under MirroredStrategy;
+- keras_project: the run's own path: the cached split's batches gathered by shuffled indices on tf.data's thread
+  (`data.training_input`), under MirroredStrategy;
 - keras_project_default: the same under no strategy (TensorFlow's default), which shows what MirroredStrategy's
   handling of one replica costs;
 - keras_project_multiworker: the same under MultiWorkerMirroredStrategy with one worker and no peers;
 - keras_streamed: the run's path for a split larger than --resident-limit-mb: its examples read from tfds's
-  record files, shuffled and batched by data.py's recipe every epoch, under MirroredStrategy.
+  record files, scaled, shuffled and batched one by one every epoch, under MirroredStrategy.
 """
 
 import argparse
@@ -44,11 +42,11 @@ DEFAULT_ROUNDS = 30
 BASELINE = "ceiling"
 
 
-def keras_steps(strategy, cfg, info, feed, calls, steps_per_execution):
+def keras_steps(strategy, cfg, info, train, feed, calls, steps_per_execution):
     """`calls` calls of a fresh model's Keras train function, `steps_per_execution` steps each, over what
-    `feed(strategy, model)` gives, read as `fit` reads it."""
-    model = built_model(strategy, cfg, info, steps_per_execution=steps_per_execution)
-    iterator = iter(feed(strategy, model))
+    `feed(strategy)` gives, read as `fit` reads it."""
+    model = built_model(strategy, cfg, info, train, steps_per_execution=steps_per_execution)
+    iterator = iter(feed(strategy))
     train_function = model.make_train_function()
 
     def run():
@@ -71,30 +69,25 @@ def variants(info, cfg, strategies, steps):
     stream = input_engine.Stream(num_examples=train.num_examples, global_batch=global_batch,
                                  buffer_size=cfg.buffer_size, seed=cfg.seed, epochs=1)
 
-    def memory(strategy, model):
+    def memory(strategy):
         return input_engine.distribute(strategy, lambda share: input_engine.for_distribution(
             tf.data.Dataset.from_tensor_slices((images, labels)).repeat()))
 
-    def host(strategy, model):
-        return input_engine.distribute(strategy, lambda share: input_engine.step_batches(
-            train, stream, data.RECIPE, share=share))
+    def project(strategy):
+        return data.training_input(strategy, train, stream)
 
-    def project(strategy, model):
-        return data.training_input(strategy, model, train, stream)
-
-    def streamed(strategy, model):
-        return data.training_input(strategy, model, input_engine.Split(info, "train"), stream)
+    def streamed(strategy):
+        return data.training_input(strategy, data.split(info, "train", limit_mb=0), stream)
 
     mirrored = strategies["mirrored"]
     runs = {
-        BASELINE: ceiling_loop(mirrored, built_model(mirrored, cfg, info), images, labels),
-        "keras_memory": keras_steps(mirrored, cfg, info, memory, calls, per_call),
-        "keras_host": keras_steps(mirrored, cfg, info, host, calls, per_call),
+        BASELINE: ceiling_loop(mirrored, built_model(mirrored, cfg, info, train), images, labels),
+        "keras_memory": keras_steps(mirrored, cfg, info, train, memory, calls, per_call),
     }
     for name, strategy in strategies.items():
         suffix = "" if name == "mirrored" else f"_{name}"
-        runs[f"keras_project{suffix}"] = keras_steps(strategy, cfg, info, project, calls, per_call)
-    runs["keras_streamed"] = keras_steps(mirrored, cfg, info, streamed, calls, per_call)
+        runs[f"keras_project{suffix}"] = keras_steps(strategy, cfg, info, train, project, calls, per_call)
+    runs["keras_streamed"] = keras_steps(mirrored, cfg, info, train, streamed, calls, per_call)
     return runs, steps
 
 

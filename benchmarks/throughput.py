@@ -147,12 +147,14 @@ def resident(info, name):
 
 def resident_batches(split, global_batch, steps=None):
     """The first `steps` full batches (all of them by default) of the resident `split`, scaled, in the split's
-    order: images (steps, batch, height, width, channels) and labels (steps, batch)."""
+    order: features (steps, batch, ...) and labels (steps, batch, ...)."""
     full = split.num_examples // global_batch
     full = min(full, steps) if steps else full
-    images, labels = data.scale(split.images, split.labels)
-    return (tf.reshape(images[:full * global_batch], (full, global_batch, *split.images.shape[1:])),
-            tf.reshape(labels[:full * global_batch], (full, global_batch)))
+
+    def batches(cached):
+        return tf.reshape(cached[:full * global_batch], (full, global_batch, *cached.shape[1:]))
+
+    return tuple(batches(tf.convert_to_tensor(cached)) for cached in split.cache)
 
 
 def ceiling_loop(strategy, model, images, labels):
@@ -165,19 +167,21 @@ def ceiling_loop(strategy, model, images, labels):
     return train_epoch
 
 
-def built_model(strategy, cfg, info, **compile_args):
-    image_shape, num_classes = data.image_shape_and_classes(info)
+def built_model(strategy, cfg, info, train, **compile_args):
+    """The run's model for the scaled `train` split, built: its weights made before any step is traced."""
+    features_shape, num_classes = data.model_input(train, info)
     with strategy.scope():
-        model = compile_model(build_model(image_shape, num_classes), fused_adam=cfg.fused_adam, **compile_args)
-        model.build((None, *image_shape))
+        model = compile_model(build_model(features_shape, num_classes), fused_adam=cfg.fused_adam, **compile_args)
+        model.build((None, *features_shape))
     return model
 
 
 def ceiling_round(info, cfg, strategy, epochs):
     """The train step alone: every batch already in memory, one tf.function looping over them."""
     global_batch = cfg.batch_size_per_replica * strategy.num_replicas_in_sync
-    images, labels = resident_batches(resident(info, "train"), global_batch)
-    train_epoch = ceiling_loop(strategy, built_model(strategy, cfg, info), images, labels)
+    train = resident(info, "train")
+    images, labels = resident_batches(train, global_batch)
+    train_epoch = ceiling_loop(strategy, built_model(strategy, cfg, info, train), images, labels)
     train_epoch()  # trace and warm up outside the timing
     epoch_seconds, wall, cpu = timed(lambda: [timed(train_epoch)[1] for _ in range(epochs)])
     return int(images.shape[0]) * global_batch * epochs, wall, cpu, epoch_seconds

@@ -1,13 +1,16 @@
-"""The input engine below data.py: what `fit` and `evaluate` read, made from data.py's recipe (its scale, shuffle
-and batch) and a prepared tfds dataset.
+"""The input engine below data.py: what `fit` and `evaluate` read, made from a prepared tfds dataset and data.py's
+per-example functions (its `scale`, and its `augment` when it has one).
 
-A split is read from tfds's record files in vectorised batches. Where its images fit the memory limit it is held
-resident, a copy beside the model on every replica's device: training then sends only each batch's example
-indices through tf.data, and the train step gathers and scales its batch itself, so no batch of images crosses a
-thread or a device boundary. A larger split streams: each epoch reads the record files again, shuffled and
-batched by the recipe. Both orders are one: tf.data's shuffle draws positions in its buffer whatever the elements
-are, so indices and examples shuffled with one seed come out in one order, and a run resumed at any image trains
-the same images either way.
+Each example goes through those functions one at a time, as `Dataset.map` calls them; the engine decides only how
+the examples are held, ordered and batched:
+- a split whose scaled examples fit the memory limit is read and scaled once and held in memory (the tutorial's
+  `cache()`); each epoch's order is then drawn whole, as example indices, by the tutorial's seeded shuffle, and
+  each batch gathered from the cache on tf.data's thread;
+- a larger split streams: each epoch reads tfds's files again, scaling, shuffling and batching example by example.
+Both orders are one: tf.data's shuffle draws positions in its buffer whatever the elements are, so indices and
+examples shuffled with one seed come out in one order, and a run resumed at any image trains the same images
+either way. An augmentation draws from a seed of each example's own (`example_seeds`), so it too is the same on
+either path, at any resume and on any number of replicas.
 """
 
 import dataclasses
@@ -17,32 +20,24 @@ import os
 import typing
 
 import tensorflow as tf
+import tensorflow_datasets as tfds
 
-from machinery import tf_private
 from machinery.exits import UsageError
 
-READ_BATCH = 1024  # records parsed per vectorised tf.io.parse_example call
+READ_BATCH = 1024  # examples read, decoded and scaled together
 WHOLE = (0, 1)  # an input pipeline's share of each global batch: the first of one, all of it
-PADDING = -1  # the index of a padding example in a batch of indices: image 0, at weight 0 (`padded`)
+PADDING = -1  # the index of a padding example in a batch of indices: example 0, at weight 0 (`padded`)
 RESIDENT, STREAMED = "resident", "streamed"  # how a split is read (results.json's `input`)
+IMAGE, LABEL = "image", "label"  # the features the run trains on, as tfds's supervised image datasets name them
 MB = 2**20
-
-
-class Recipe(typing.NamedTuple):
-    """What data.py decides of the tutorial's pipeline: `scale(image, label)`, `shuffle(examples, buffer_size=,
-    seed=)` and `batch(examples, global_batch)`."""
-
-    scale: typing.Callable
-    shuffle: typing.Callable
-    batch: typing.Callable
 
 
 @dataclasses.dataclass(frozen=True)
 class Stream:
-    """Which training batches a run reads, as example indices. Each epoch trains the first `epoch_images` of its
-    own seeded order of the split's `num_examples` indices (all of them when None), in batches of `global_batch`;
-    the stream starts at image `first_image` of epoch `first_epoch` and ends with epoch `epochs` - 1. A run takes
-    its stream from its resume plan (resume.Plan.stream)."""
+    """Which training batches a run reads. Each epoch trains the first `epoch_images` of its own seeded order of
+    the split's `num_examples` examples (all of them when None), in batches of `global_batch`; the stream starts
+    at image `first_image` of epoch `first_epoch` and ends with epoch `epochs` - 1. A run takes its stream from its
+    resume plan (resume.Plan.stream)."""
 
     num_examples: int
     global_batch: int
@@ -68,68 +63,110 @@ def images_per_epoch(steps, global_batch, num_examples):
     return min(steps * global_batch, num_examples)
 
 
-# ---------------------------------------------------------------- a split, resident or streamed
+# ---------------------------------------------------------------- tfds's examples, scaled
+
+def _one_example(spec):
+    """The spec of one example of a dataset of batches."""
+    return tf.nest.map_structure(lambda batch: tf.TensorSpec(batch.shape[1:], batch.dtype), spec)
+
+
+def _decoded_in_batches(info):
+    """Whether tfds stores the split's images in one shape, in record files a batch of which can be parsed and
+    decoded at once; tfds's own reader parses and decodes one example at a time, several times slower
+    (docs/performance.md, "Reading the splits")."""
+    return info.features[IMAGE].shape.count(None) == 0 and info.file_format == tfds.core.FileFormat.TFRECORD
+
+
+def scaled_batches(info, name, scale):
+    """The split `name` in tfds's record order, each example (image, label) through `scale`, in batches of
+    READ_BATCH. Images of one shape are parsed and decoded a batch at a time with tfds's own features, and `scale`
+    is vectorised over the batch (tf.vectorized_map, under which it still sees one example); images of varying
+    size come from tfds's own reader, one example at a time, each mapped through `scale`."""
+    image, label = info.features[IMAGE], info.features[LABEL]
+    if not _decoded_in_batches(info):
+        examples = tfds.builder_from_directory(info.data_dir).as_dataset(name, shuffle_files=False)
+        examples = examples.map(lambda example: (example[IMAGE], example[LABEL]))
+        return _untuned(examples.map(scale, num_parallel_calls=os.cpu_count() or 1).batch(READ_BATCH))
+    serialized = info.features.get_serialized_info()
+    spec = {key: tf.io.FixedLenFeature(serialized[key].shape, serialized[key].tf_dtype) for key in (IMAGE, LABEL)}
+
+    def decoded_and_scaled(records):
+        example = tf.io.parse_example(records, spec)
+        batch = image.decode_batch_example(example[IMAGE]), label.decode_batch_example(example[LABEL])
+        return tf.vectorized_map(lambda one: scale(*one), batch)
+
+    files = [os.path.join(info.data_dir, file) for file in info.splits[name].filenames]
+    records = tf.data.TFRecordDataset(files).batch(READ_BATCH)
+    return _untuned(records.map(decoded_and_scaled, num_parallel_calls=os.cpu_count() or 1))
+
+
+# ---------------------------------------------------------------- a split, cached or streamed
 
 @dataclasses.dataclass(frozen=True)
 class Split:
-    """One split of a prepared tfds dataset (`info`): held in memory as `images` (N, height, width, channels) and
-    `labels` (N,), as `tfds.load(..., as_supervised=True)` yields them, or streamed from its record files (both
-    None)."""
+    """One split of a prepared tfds dataset (`info`), its `num_examples` examples through `scale`: `cache` holds
+    them all in memory, a (features, label) pair of variables of N examples each (`held`), or is None for a split
+    streamed from its files. `element_spec` is one scaled example's, what the model is built for."""
 
     info: typing.Any
     name: str
-    images: typing.Any = None
-    labels: typing.Any = None
+    scale: typing.Callable
+    element_spec: typing.Any
+    num_examples: int
+    cache: typing.Any = None
 
     @property
     def how(self):
-        return STREAMED if self.images is None else RESIDENT
+        return STREAMED if self.cache is None else RESIDENT
 
-    @property
-    def num_examples(self):
-        return self.info.splits[self.name].num_examples
-
-
-def split_mb(info, name):
-    """The MB a split's images take in memory: examples times the image's shape times its type's bytes."""
-    image = info.features["image"]
-    return info.splits[name].num_examples * math.prod(image.shape) * tf.as_dtype(image.tf_dtype).size / MB
+    def examples(self):
+        """The split's scaled examples one by one, in record order, read from its files."""
+        return scaled_batches(self.info, self.name, self.scale).unbatch()
 
 
-def open_split(info, name, *, limit_mb):
-    """The split `name`: read into memory when its images take at most `limit_mb`, streamed otherwise."""
-    if split_mb(info, name) > limit_mb:
-        return Split(info, name)
+def cache_mb(element_spec, num_examples):
+    """The MB `num_examples` examples of `element_spec` take in memory."""
+    return num_examples * sum(spec.shape.num_elements() * spec.dtype.size
+                              for spec in tf.nest.flatten(element_spec)) / MB
+
+
+def refuse_varying_sizes(info, element_spec):
+    """UsageError when the scaled examples' shapes vary: they can be neither batched nor cached."""
+    varying = [tuple(spec.shape) for spec in tf.nest.flatten(element_spec) if not spec.shape.is_fully_defined()]
+    if varying:
+        raise UsageError(f"the {info.name} images vary in size (tfds stores them as {info.features[IMAGE].shape}, "
+                         f"data.scale returns {', '.join(map(str, varying))}); resize them to one size in data.scale, "
+                         "e.g. image = tf.image.resize(image, (64, 64))")
+
+
+def open_split(info, name, scale, *, limit_mb):
+    """The split `name`, scaled: cached in memory when its scaled examples take at most `limit_mb`, else streamed."""
+    batches = scaled_batches(info, name, scale)
+    element_spec = _one_example(batches.element_spec)
+    refuse_varying_sizes(info, element_spec)
+    num_examples = info.splits[name].num_examples
+    if cache_mb(element_spec, num_examples) > limit_mb:
+        return Split(info, name, scale, element_spec, num_examples)
     try:
-        batches = list(records(info, name))
+        read = list(batches)
     except tf.errors.OpError as err:
         raise unreadable(info, type(err).__name__) from None
-    if not batches:
+    if not read:
         raise unreadable(info, f"no {name} examples")
-    images, labels = tf.concat([b[0] for b in batches], 0), tf.concat([b[1] for b in batches], 0)
+    cache = tf.nest.map_structure(lambda *parts: tf.concat(parts, 0), *read)
     # A record file cut short reads as a shorter one, without an error.
-    if len(labels) != info.splits[name].num_examples:
-        raise unreadable(info, f"{len(labels)} of {info.splits[name].num_examples} {name} examples")
-    return Split(info, name, images, labels)
+    read_count = len(tf.nest.flatten(cache)[0])
+    if read_count != num_examples:
+        raise unreadable(info, f"{read_count} of {num_examples} {name} examples")
+    return Split(info, name, scale, element_spec, num_examples, held(cache))
 
 
-def records(info, name):
-    """The split's examples in tfds's record order, in batches of READ_BATCH (images, labels). tfds's own reader
-    parses one example at a time; parsing its record files in vectorised batches, and decoding with tfds's image
-    feature in parallel, is several times faster (docs/history.md, "What was found")."""
-    serialized = info.features.get_serialized_info()
-    spec = {key: tf.io.FixedLenFeature(tensor.shape, tensor.tf_dtype) for key, tensor in serialized.items()}
-    image = info.features["image"]
-
-    def decode(batch):
-        example = tf.io.parse_example(batch, spec)
-        images = tf.map_fn(image.decode_example, example["image"],
-                           fn_output_signature=tf.TensorSpec(image.shape, image.tf_dtype))
-        return images, example["label"]
-
-    files = [os.path.join(info.data_dir, file) for file in info.splits[name].filenames]
-    batches = tf.data.TFRecordDataset(files).batch(READ_BATCH)
-    return _untuned(batches.map(decode, num_parallel_calls=os.cpu_count() or 1))
+def held(cache):
+    """The cache in variables on the host's CPU, where tf.data's functions run, which capture a variable by its
+    handle: a captured tensor is copied into every iterator made over it, at each `fit` and `evaluate`. The model
+    does not track them, so no checkpoint holds them."""
+    with tf.device("/cpu:0"):
+        return tf.nest.map_structure(lambda tensor: tf.Variable(tensor, trainable=False), cache)
 
 
 def unreadable(info, why):
@@ -153,6 +190,8 @@ def untune_device_pipelines():
     tuning thread's next round, at the end of every `fit` and `evaluate`. Each only prefetches one batch into a
     fixed buffer. Should a later TensorFlow drop the private function this wraps, runs go on with the wait
     (tf_private.wrap_device_datasets, and its canary)."""
+    from machinery import tf_private
+
     tf_private.wrap_device_datasets(_untuned)
 
 
@@ -196,12 +235,12 @@ def _input_options(mode):
 
 
 def pipeline_share(batch, index, count):
-    """Input pipeline `index` of `count`'s part of a global batch (of indices, images or labels): a contiguous
-    slice, sizes differing by at most one, the first pipelines taking the extra examples of a short batch. That is
-    how TensorFlow's own rebatching splits a global batch between workers (a last batch of 3 gives 2 and 1; one
-    of 1 would give 1 and none, but `padded` makes it 1 and a padding example), and each replica's loss is the
-    mean over its own examples, so the split decides how much each example of a partial batch weighs in the
-    gradient: the same split keeps the same gradients."""
+    """Input pipeline `index` of `count`'s part of a global batch (of indices or of examples' tensors): a
+    contiguous slice, sizes differing by at most one, the first pipelines taking the extra examples of a short
+    batch. That is how TensorFlow's own rebatching splits a global batch between workers (a last batch of 3 gives
+    2 and 1; one of 1 would give 1 and none, but `padded` makes it 1 and a padding example), and each replica's
+    loss is the mean over its own examples, so the split decides how much each example of a partial batch weighs
+    in the gradient: the same split keeps the same gradients."""
     size = tf.shape(batch, out_type=tf.int64)[0]
     base, extra = size // count, size % count
     start = index * base + tf.minimum(tf.constant(index, tf.int64), extra)
@@ -224,25 +263,43 @@ def padded(batch, replicas):
     return tf.concat([batch, tf.fill([_missing(batch, replicas)], tf.constant(PADDING, tf.int64))], 0)
 
 
-def padded_examples(images, labels, replicas):
-    """`padded` for a batch of examples: blank images appended, each with weight 0 beside the real ones' 1."""
-    missing = _missing(labels, replicas)
-    blank = tf.zeros(tf.concat([[missing], tf.shape(images, out_type=tf.int64)[1:]], 0), images.dtype)
-    weights = tf.concat([tf.ones_like(labels, tf.float32), tf.zeros([missing], tf.float32)], 0)
-    return tf.concat([images, blank], 0), tf.concat([labels, tf.zeros([missing], labels.dtype)], 0), weights
+def padded_examples(batch, replicas):
+    """`padded` for a batch of examples (features, label): zeros appended to each tensor, and each example's weight,
+    0 for those beside the real ones' 1."""
+    label = batch[1]
+    missing = _missing(tf.nest.flatten(label)[0], replicas)
 
+    def pad(tensor):
+        blank = tf.zeros(tf.concat([[missing], tf.shape(tensor, out_type=tf.int64)[1:]], 0), tensor.dtype)
+        return tf.concat([tensor, blank], 0)
 
-def examples(images, labels, batch, *, scale, weighted):
-    """The scaled images and the labels at a batch of indices into a resident split; `weighted`, for batches
-    that may hold PADDING, adds each example's weight (1, or 0 for padding), which Keras reads as sample weights."""
-    if not weighted:
-        return scale(tf.gather(images, batch), tf.gather(labels, batch))
-    real = batch != PADDING
-    batch = tf.where(real, batch, tf.zeros_like(batch))
-    return (*scale(tf.gather(images, batch), tf.gather(labels, batch)), tf.cast(real, tf.float32))
+    real = tf.ones(tf.shape(tf.nest.flatten(label)[0])[:1], tf.float32)
+    return (*tf.nest.map_structure(pad, batch), tf.concat([real, tf.zeros([missing], tf.float32)], 0))
 
 
 # ---------------------------------------------------------------- the training stream
+
+def shuffled(examples, stream, epoch):
+    """The tutorial's `shuffle(BUFFER_SIZE)`, seeded: each epoch's order has a seed of its own (the run's seed plus
+    the epoch's number), so that every run, resumed or not, sees the same order."""
+    return examples.shuffle(stream.buffer_size, seed=stream.seed + epoch, reshuffle_each_iteration=False)
+
+
+def example_seeds(stream, epoch, indices):
+    """Each example's seed for an augmentation's stateless random ops, one pair of int64 per index: the run's seed,
+    and the example's draw (the epoch times the split's examples, plus its index). Every epoch draws anew, and an
+    example draws the same on either input path, in any batch, at any resume."""
+    draws = tf.cast(epoch, tf.int64) * stream.num_examples + tf.cast(indices, tf.int64)
+    return tf.stack([tf.fill(tf.shape(draws), tf.constant(stream.seed, tf.int64)), draws], axis=1)
+
+
+def augmented(batch, seeds, augment):
+    """`augment(features, label, seed)` on each example of a batch, one at a time as `Dataset.map` calls it; the
+    batch stays one batch."""
+    features, label = batch
+    examples = tf.data.Dataset.from_tensor_slices((features, label, seeds)).map(augment)
+    return examples.batch(tf.shape(seeds, out_type=tf.int64)[0]).get_single_element()
+
 
 def epochs_of(stream, one_epoch):
     """`one_epoch(epoch, first_image)`'s datasets from the stream's first epoch to its last, chained in Python:
@@ -252,118 +309,85 @@ def epochs_of(stream, one_epoch):
     return functools.reduce(tf.data.Dataset.concatenate, later, one_epoch(stream.first_epoch, stream.first_image))
 
 
-def index_batches(stream, recipe):
-    """The `stream`'s batches of training indices: each epoch's order is the recipe's shuffle of the split's
-    indices, seeded by the epoch's number, batched from its first untrained image; an epoch's last batch holds
-    what is left of it, so it may be short, and no batch spans two epochs.
+def index_batches(stream):
+    """The `stream`'s batches of training indices, each with its epoch: each epoch's order is the seeded shuffle of
+    the split's indices, batched from its first untrained image; an epoch's last batch holds what is left of it,
+    so it may be short, and no batch spans two epochs.
 
     Each epoch's order is drawn whole, one epoch ahead, and its batches are slices of it: drawn example by example
     beside the training step, through tf.data's per-example machinery, it cost several per cent of a step on a
     fast core (docs/performance.md).
     """
     def one_epoch(epoch, first):
-        order = recipe.shuffle(tf.data.Dataset.range(stream.num_examples), buffer_size=stream.buffer_size,
-                               seed=stream.seed + epoch)
+        order = shuffled(tf.data.Dataset.range(stream.num_examples), stream, epoch)
         whole = order.take(stream.images_an_epoch).batch(stream.images_an_epoch)
-        return whole.map(lambda indices: (indices, tf.constant(first, tf.int64)))
+        return whole.map(lambda indices: (indices, tf.constant(first, tf.int64), tf.constant(epoch, tf.int64)))
 
-    def slices(order, first):
+    def slices(order, first, epoch):
         starts = tf.data.Dataset.range(first, tf.shape(order, out_type=tf.int64)[0], stream.global_batch)
-        return starts.map(lambda start: order[start:start + stream.global_batch])
+        return starts.map(lambda start: (order[start:start + stream.global_batch], epoch))
 
     # Prefetched across the epochs: the next epoch's order is drawn while this one's batches are read.
     return epochs_of(stream, one_epoch).prefetch(1).flat_map(slices)
 
 
-def example_batches(split, stream, recipe):
-    """The `stream`'s batches of a streamed split's examples, in the order `index_batches` gives its indices: each
-    epoch reads the record files again, through the recipe's shuffle and batch."""
+def gathered(split, stream, indices, epoch, *, augment=None, weighted=False):
+    """The cached examples at a batch of `indices` (PADDING reads example 0), each through `augment` when given;
+    `weighted`, for batches that may hold PADDING, adds each example's weight (1, or 0 for padding), which Keras
+    reads as sample weights."""
+    real = indices != PADDING
+    at = tf.where(real, indices, tf.zeros_like(indices))
+    batch = tf.nest.map_structure(lambda cached: tf.gather(cached, at), split.cache)
+    if augment is not None:
+        batch = augmented(batch, example_seeds(stream, epoch, at), augment)
+    return (*batch, tf.cast(real, tf.float32)) if weighted else tuple(batch)
+
+
+def cached_batches(split, stream, *, augment=None, pad_to=None, share=WHOLE):
+    """The `stream`'s batches of a cached split: `index_batches`, each `padded` up to `pad_to` indices when given,
+    cut to the input pipeline `share` (index, count) of it (`pipeline_share`), gathered and augmented."""
+    indices = index_batches(stream)
+    if pad_to is not None:
+        indices = indices.map(lambda batch, epoch: (padded(batch, pad_to), epoch))
+    if share != WHOLE:
+        indices = indices.map(lambda batch, epoch: (pipeline_share(batch, *share), epoch))
+    return indices.map(lambda batch, epoch: gathered(split, stream, batch, epoch, augment=augment,
+                                                     weighted=pad_to is not None))
+
+
+def streamed_batches(split, stream, *, augment=None, pad_to=None, share=WHOLE):
+    """The `stream`'s batches of a streamed split, in the order `index_batches` gives a cached one's: each epoch
+    reads the files again, each example with its index through the seeded shuffle, `augment` and the batch."""
     def one_epoch(epoch, first):
-        examples = recipe.shuffle(records(split.info, split.name).unbatch(), buffer_size=stream.buffer_size,
-                                  seed=stream.seed + epoch)
-        return recipe.batch(examples.take(stream.images_an_epoch).skip(first), stream.global_batch)
+        examples = shuffled(split.examples().enumerate(), stream, epoch).take(stream.images_an_epoch).skip(first)
+        if augment is not None:
+            examples = examples.map(lambda index, example: (index, augment(
+                *example, example_seeds(stream, epoch, index[None])[0])))
+        return examples.map(lambda index, example: example).batch(stream.global_batch)
 
-    return epochs_of(stream, one_epoch)
-
-
-def train_indices(stream, recipe, *, pad_to=None, share=WHOLE):
-    """What `fit` reads from a resident split: the `stream`'s batches of example indices (`index_batches`), each
-    `padded` up to `pad_to` indices when given; with `share` (index, count), only that input pipeline's part of
-    each (`pipeline_share`). Repeated so that the stream never ends under `fit`, which stops after its epochs."""
-    indices = index_batches(stream, recipe)
+    batches = epochs_of(stream, one_epoch)
     if pad_to is not None:
-        indices = indices.map(lambda batch: padded(batch, pad_to))
+        batches = batches.map(lambda *batch: padded_examples(batch, pad_to))
     if share != WHOLE:
-        indices = indices.map(lambda batch: pipeline_share(batch, *share))
-    return for_distribution(indices.repeat())
+        batches = batches.map(lambda *batch: tf.nest.map_structure(lambda part: pipeline_share(part, *share), batch))
+    return batches
 
 
-def train_examples(split, stream, recipe, *, pad_to=None, share=WHOLE):
-    """What `fit` reads from a streamed split: `train_indices`'s batches, as scaled images and labels (and
-    weights, where padded)."""
-    batches = example_batches(split, stream, recipe)
-    if pad_to is not None:
-        batches = batches.map(lambda images, labels: padded_examples(images, labels, pad_to))
-    if share != WHOLE:
-        batches = batches.map(lambda *batch: tuple(pipeline_share(part, *share) for part in batch))
-    batches = batches.map(lambda images, labels, *weights: (*recipe.scale(images, labels), *weights))
-    return for_distribution(batches.repeat())
+def train_batches(split, stream, *, augment=None, pad_to=None, share=WHOLE):
+    """What `fit` reads of the training split: the `stream`'s batches of (features, label), and each example's
+    weight where the batches are padded to `pad_to` examples, cut to the pipeline `share`. Repeated, so that the
+    stream never ends under `fit`, which stops after its epochs."""
+    batches = cached_batches if split.how == RESIDENT else streamed_batches
+    return for_distribution(batches(split, stream, augment=augment, pad_to=pad_to, share=share).repeat())
 
 
-def resident_copies(strategy, images, labels):
-    """The split resident beside the model, never checkpointed (the model does not track it): under
-    MirroredStrategy one copy on every replica's device, mirrored as the weights are; under
-    MultiWorkerMirroredStrategy one copy per worker, on its first device, from that worker's own read, since a
-    mirrored variable is broadcast from the chief and TensorFlow's collectives broadcast no uint8."""
-    def resident():
-        return (tf.Variable(images, trainable=False, name="resident_images"),
-                tf.Variable(labels, trainable=False, name="resident_labels"))
-
-    if isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy):
-        with tf.device(strategy.extended.worker_devices[0]):
-            return resident()
-    with strategy.scope():
-        return resident()
-
-
-def gather_in_train_step(model, resident, recipe, *, padded):
-    """Makes `model`'s train step take a batch of `train_indices` and gather and scale its examples from the
-    `resident` split itself (`examples`, weighted where the batches are `padded`), on the replica's own copy. Set
-    on the instance, as the model's other step hooks are, so the exported model stays a plain Sequential;
-    evaluation still reads images."""
-    train_step = model.train_step
-
-    def step_on_indices(batch):
-        return train_step(examples(*resident, batch, scale=recipe.scale, weighted=padded))
-
-    model.train_step = step_on_indices
-
-
-def training_input(strategy, model, split, stream, recipe):
-    """The one seam between the data and the model: what `fit` reads, the `stream`'s batches across the
-    strategy's replicas. A resident `split` stays on the replicas' devices, and `model`'s train step gathers and
-    scales each batch of indices from it; a streamed one sends scaled batches of examples.
-
-    Where several replicas share a global batch (all workers' together), a batch smaller than their count is
-    padded and every example carries its weight; decided here, once, for both sides."""
+def training_input(strategy, split, stream, *, augment=None):
+    """What `fit` reads: the `stream`'s batches across the strategy's replicas. Where several replicas share a
+    global batch (all workers' together), a batch smaller than their count is padded and every example carries
+    its weight."""
     replicas = strategy.num_replicas_in_sync
     pad_to = replicas if replicas > 1 else None
-    if split.how == STREAMED:
-        return distribute(strategy, functools.partial(train_examples, split, stream, recipe, pad_to=pad_to))
-    gather_in_train_step(model, resident_copies(strategy, split.images, split.labels), recipe,
-                         padded=pad_to is not None)
-    return distribute(strategy, functools.partial(train_indices, stream, recipe, pad_to=pad_to))
-
-
-def step_batches(split, stream, recipe, *, pad_to=None, share=WHOLE):
-    """The batches each training step sees, as a dataset of their own: a resident split's gathered on tf.data's
-    side (`train_indices`, then `examples`), the same batches as the run's in-step gather; a streamed split's as
-    `fit` reads them. For the tests that check the stream against tfds and Keras, and the input benchmark."""
-    if split.how == STREAMED:
-        return train_examples(split, stream, recipe, pad_to=pad_to, share=share)
-    indices = train_indices(stream, recipe, pad_to=pad_to, share=share)
-    return indices.map(lambda batch: examples(split.images, split.labels, batch, scale=recipe.scale,
-                                              weighted=pad_to is not None))
+    return distribute(strategy, functools.partial(train_batches, split, stream, augment=augment, pad_to=pad_to))
 
 
 # ---------------------------------------------------------------- the evaluations' input
@@ -378,24 +402,24 @@ class EvalInput:
     how: str = RESIDENT
 
 
-def eval_batches(split, recipe, *, global_batch):
+def eval_batches(split, *, global_batch):
     """The split in its record order, scaled, in batches of `global_batch`."""
     if split.how == STREAMED:
-        batches = recipe.batch(records(split.info, split.name).unbatch(), global_batch).map(recipe.scale)
+        batches = split.examples().batch(global_batch)
     else:
         indices = tf.data.Dataset.range(split.num_examples).batch(global_batch)
-        batches = indices.map(lambda batch: examples(split.images, split.labels, batch, scale=recipe.scale,
-                                                     weighted=False))
+        batches = indices.map(lambda at: tuple(tf.nest.map_structure(lambda cached: tf.gather(cached, at),
+                                                                     split.cache)))
     return for_distribution(batches)
 
 
-def eval_input(strategy, split, recipe, *, global_batch):
+def eval_input(strategy, split, *, global_batch):
     """The test split in batches of `global_batch`, for every evaluation of the run.
 
     A single replica reads them as it reads its training stream, through the strategy's per-replica input: Keras's
     own path would build a multi-device iterator at each evaluation and read through it (docs/performance.md).
     Several replicas, whose batches must be split, keep Keras's path."""
-    batches = eval_batches(split, recipe, global_batch=global_batch)
+    batches = eval_batches(split, global_batch=global_batch)
     if not _single_replica(strategy):
         return EvalInput(batches, how=split.how)
     distributed = strategy.distribute_datasets_from_function(
