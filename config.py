@@ -20,8 +20,6 @@ STRATEGIES = ("mirrored", "multiworker", "default")
 CROSS_DEVICE_OPS = ("nccl", "hierarchical-copy", "reduce-to-one")
 # MultiWorkerMirroredStrategy's collectives (tf.distribute.experimental.CommunicationImplementation).
 COMMUNICATIONS = ("auto", "ring", "nccl")
-# What each step's loss and accuracy are under multiworker: the worker's own, or all workers' (model.report_worker_means).
-STEP_METRICS = ("worker", "all")
 # The type the gradients travel in through the multi-worker all-reduce (model.all_reduce_in); float32 is theirs.
 ALLREDUCE_DTYPES = ("float32", "bfloat16", "float16")
 # The compute types of Keras's mixed-precision policies (mixed_float16, mixed_bfloat16); unset is float32's policy.
@@ -55,9 +53,8 @@ class Config:
     idx_dir: typing.Optional[str] = _option(None, "offline: if --data-dir holds no prepared --dataset, prepare it first from the four MNIST-format IDX files here (unset: tfds downloads what --data-dir lacks)", DATA)
     buffer_size: int = _option(10000, "shuffle buffer size, in examples", DATA)
     resident_limit_mb: int = _option(
-        1024, "hold a split in memory, a copy on each replica's device, while its images take at most this many MB, "
-              "and gather each batch inside the train step; a larger split streams from tfds's files every epoch "
-              "(0: always stream)", DATA)
+        1024, "cache a split in memory, one copy a worker, while its examples, scaled by data.scale, take at most "
+              "this many MB; a larger split streams from tfds's files every epoch (0: always stream)", DATA)
 
     strategy: str = _option("mirrored", "distribution strategy; multiworker reads the cluster from TF_CONFIG or, "
                                         "without it, from a Kubeflow TrainJob's or Kubernetes Indexed Job's "
@@ -102,12 +99,6 @@ class Config:
     jit_compile: bool = _option(False, "compile the train step with XLA; not where its all-reduce runs between CPU "
                                        "devices (--strategy multiworker on CPUs, --cpu-replicas 2 or more), which XLA "
                                        "cannot compile (docs/multi-gpu.md, \"XLA and the all-reduce\")", SPEED)
-    step_metrics: typing.Optional[str] = _option(
-        None, "--strategy multiworker: the loss and accuracy each step shows (progress bar, batch-level callbacks): "
-              "this worker's running means (worker, also when unset: no all-reduce a step) or all workers' (all: four "
-              "all-reduces a step, a longer step; docs/performance.md, \"What to pick\"); each epoch's figures are "
-              "all workers' either way", SPEED, choices=STEP_METRICS)
-
     allreduce_dtype: str = _option(
         "float32", "--strategy multiworker: the type the gradients are all-reduced in between workers; bfloat16 or "
                    "float16 halve the bytes sent, and each worker casts the sum back to float32 for Adam's update "
@@ -140,10 +131,6 @@ class Config:
     def dtype_policy(self):
         """The name of the Keras policy the model is built under."""
         return f"mixed_{self.mixed_precision}" if self.mixed_precision else "float32"
-
-    @property
-    def worker_step_metrics(self):
-        return self.strategy == "multiworker" and self.step_metrics != "all"
 
     @property
     def device_list(self):
@@ -219,9 +206,6 @@ def validate(cfg):
     if cfg.allreduce_dtype != "float32" and not cfg.fused_adam:
         raise UsageError(f"--allreduce-dtype {cfg.allreduce_dtype} works through the fused Adam's gradient "
                          "aggregator; drop --no-fused-adam or --allreduce-dtype")
-    if cfg.step_metrics and cfg.strategy != "multiworker":
-        raise UsageError("--step-metrics chooses between workers' figures, so it works with --strategy multiworker "
-                         "only; drop it")
     if cfg.cross_device_ops == "nccl" and cfg.cpu_replicas:
         raise UsageError("--cross-device-ops nccl all-reduces between GPUs, but --cpu-replicas mirrors CPUs; "
                          "use reduce-to-one or hierarchical-copy with --cpu-replicas")

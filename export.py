@@ -9,7 +9,6 @@ import os
 import shutil
 import zipfile
 
-from machinery import tf_private
 from model import compile_model, keras
 
 
@@ -36,24 +35,31 @@ def export(model, path):
 
 
 def export_keras(model, path):
-    """The trained model in the `.keras` format, which Keras 3's `keras.saving.load_model` reads.
+    """The trained model in the `.keras` format, which Keras 3's `keras.saving.load_model` reads; returns None, or
+    why Keras could not save this model (one line for the summary).
 
-    Saved uncompiled: Keras 3 cannot rebuild tf_keras's compiled optimizer (neither `legacy.Adam` nor the
-    arguments tf_keras's `Adam` config carries), so a Keras 3 user compiles it after loading, as the
-    tutorial compiles its reloaded model. Written under a temporary name, then renamed into place; Keras
-    insists that the name end in `.keras`.
+    Saved without its compile settings: Keras 3 cannot rebuild tf_keras's compiled optimizer (neither `legacy.Adam`
+    nor the arguments tf_keras's `Adam` config carries), so a Keras 3 user compiles it after loading, as the
+    tutorial compiles its reloaded model. Written under a temporary name, then renamed into place; Keras insists
+    that the name end in `.keras`.
     """
     base, suffix = os.path.splitext(path)
     partial = base + ".partial" + suffix
-    plain = keras.models.clone_model(model)
-    plain.set_weights(model.get_weights())
-    plain.save(partial)
-    _name_the_policies(partial)
+    try:
+        model.save(partial)
+    except (NotImplementedError, TypeError, ValueError) as err:
+        if os.path.exists(partial):
+            os.remove(partial)
+        return f"Keras cannot save this model as {os.path.basename(path)} ({type(err).__name__}: " \
+               f"{str(err).splitlines()[0] if str(err) else 'no reason given'})"
+    _for_keras_3(partial)
     os.replace(partial, path)
+    return None
 
 
 # Inside a `.keras` file (a zip): the model's architecture, where each layer's `dtype` is its policy.
 KERAS_CONFIG = "config.json"
+COMPILE_CONFIG = "compile_config"  # beside the architecture: the loss, the metrics and the optimizer
 
 
 def _policy_names(node):
@@ -67,16 +73,19 @@ def _policy_names(node):
     return {key: _policy_names(value) for key, value in node.items()}
 
 
-def _name_the_policies(path):
-    """tf_keras writes a mixed-precision policy as its class, `Policy` from `keras.mixed_precision`, which Keras 3's
-    loader does not find (it fails with "'str' object has no attribute 'quantization_mode'"); both read a
-    policy's name, as they read "float32" under the default policy. Rewrites the file's architecture so."""
+def _for_keras_3(path):
+    """Rewrites the file's architecture for Keras 3's loader: without `compile_config` (see export_keras), and each
+    mixed-precision policy by its name. tf_keras writes a policy as its class, `Policy` from `keras.mixed_precision`,
+    which Keras 3's loader does not find (it fails with "'str' object has no attribute 'quantization_mode'"); both
+    read a policy's name, as they read "float32" under the default policy."""
     with zipfile.ZipFile(path) as archive:
         entries = {info: archive.read(info) for info in archive.infolist()}
     with zipfile.ZipFile(path, "w", zipfile.ZIP_DEFLATED) as archive:
         for info, content in entries.items():
             if info.filename == KERAS_CONFIG:
-                content = json.dumps(_policy_names(json.loads(content))).encode()
+                architecture = _policy_names(json.loads(content))
+                architecture.pop(COMPILE_CONFIG, None)
+                content = json.dumps(architecture).encode()
             archive.writestr(info, content)
 
 
@@ -84,10 +93,13 @@ def reload(path, strategy=None, *, steps_per_execution=1):
     """TF 2.0's `tf.keras.experimental.load_from_saved_model` is `keras.models.load_model` now.
 
     Reloaded inside `strategy.scope()` when a strategy is given, then compiled as the tutorial does, running
-    `steps_per_execution` test steps a call as the trained model does. The metrics' totals are made now, so that
-    `evaluate` traces its step once, not twice.
+    `steps_per_execution` test steps a call as the trained model does.
     """
     with strategy.scope() if strategy else contextlib.nullcontext():
-        model = compile_model(keras.models.load_model(path, compile=False), steps_per_execution=steps_per_execution)
-    tf_private.create_step_variables(model)
-    return model
+        return compile_model(keras.models.load_model(path, compile=False), steps_per_execution=steps_per_execution)
+
+
+def accuracy(model, evaluation):
+    """The model's test accuracy: the first figure `evaluate` gives after the loss, on the test split's input."""
+    figures = model.evaluate(evaluation.dataset, steps=evaluation.steps, return_dict=True)
+    return next(value for name, value in figures.items() if name != "loss")

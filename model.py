@@ -20,8 +20,8 @@ def use_mixed_precision(policy):
 
 
 def build_model(image_shape, num_classes):
-    """The tutorial's CNN, for images of `image_shape` (height, width, channels) in `num_classes` classes: the
-    dataset's facts, from its DatasetInfo (data.image_shape_and_classes)."""
+    """The tutorial's CNN, for images of `image_shape` (height, width, channels) in `num_classes` classes: what
+    data.scale yields and the dataset's classes (data.model_input)."""
     return keras.Sequential([
         keras.Input(shape=image_shape),
         keras.layers.Conv2D(32, 3, activation="relu"),
@@ -32,24 +32,6 @@ def build_model(image_shape, num_classes):
         # model's outputs stay float32. Under the default float32 policy it changes nothing.
         keras.layers.Dense(num_classes, dtype="float32"),
     ])
-
-
-def report_worker_means(model):
-    """Each step reports this worker's running loss and accuracy, read without an all-reduce.
-
-    Keras's `compute_metrics` all-reduces every metric variable at every step (four a step, one after another),
-    for figures only the progress bar and batch-level callbacks see; each epoch's figures, and evaluation's, are
-    read again, all workers' together. Horovod's Keras examples also show each worker its own per-step figures.
-    What it saves: docs/performance.md, "What to pick". With several replicas (GPUs) on a worker, the figures are
-    its first replica's. Set on the instance, not by subclassing, so the exports stay a plain Sequential.
-    """
-    def compute_metrics(x, y, y_pred, sample_weight):
-        del x
-        model.compiled_metrics.update_state(y, y_pred, sample_weight)
-        # In the replica's context a sync-on-read variable reads as this replica's own value.
-        return {metric.name: tf.math.divide_no_nan(metric.total, metric.count) for metric in model.metrics}
-
-    model.compute_metrics = compute_metrics
 
 
 def all_reduce_in(dtype):
@@ -69,15 +51,13 @@ def all_reduce_in(dtype):
 
 
 def compile_model(model, *, steps_per_execution=1, jit_compile=False, fused_adam=False, learning_rate=None,
-                  worker_step_metrics=False, allreduce_dtype="float32"):
+                  allreduce_dtype="float32"):
     """The tutorial's compile: Adam, sparse categorical cross-entropy on logits, accuracy.
 
     `learning_rate` (a value or a schedule) replaces Adam's default, the tutorial's 1e-3.
 
     `fused_adam` picks Keras's `legacy.Adam`, which applies the same Adam update (same defaults, same
     formula) with TensorFlow's fused ResourceApplyAdam kernel, one op per variable instead of about ten.
-
-    `worker_step_metrics`: each step's figures are this worker's (`report_worker_means`).
 
     `allreduce_dtype`: the type the gradients are all-reduced in (`all_reduce_in`), with the fused Adam only.
     """
@@ -98,6 +78,4 @@ def compile_model(model, *, steps_per_execution=1, jit_compile=False, fused_adam
     # reads the metrics themselves. "first" shows them once, and saves two all-reduces a step; with one worker it
     # changes nothing.
     model.distribute_reduction_method = "first"
-    if worker_step_metrics:
-        report_worker_means(model)
     return model

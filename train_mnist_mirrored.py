@@ -139,23 +139,31 @@ def read_data(cfg, strategy, global_batch):
     return info, train, data.eval_input(strategy, test, global_batch=global_batch)
 
 
+def make_variables(tf, model, features):
+    """A model that makes its variables at its first call (a subclassed one) makes them now, called on one example
+    of zeros shaped as `features` (a spec): the backup's check, the restore and the parameter count read them."""
+    if not model.built:
+        model(tf.nest.map_structure(lambda spec: tf.zeros((1, *spec.shape), spec.dtype), features), training=False)
+
+
 @ends("model")
-def build(cfg, strategy, info, train, plan, global_batch):
-    """Step 3: the model of model.py, built for the data's images and classes and compiled inside the strategy's
-    scope; then step 2's training half wired into it. Returns the model and what `fit` reads."""
+def build(cfg, tf, strategy, info, train, plan, global_batch):
+    """Step 3: the model of model.py, built for what step 2 yields and compiled inside the strategy's scope; then
+    step 2's training half, from the plan's position. Returns the model and what `fit` reads."""
     if cfg.mixed_precision:
         use_mixed_precision(cfg.dtype_policy)
     learning_rate = callbacks.learning_rate(cfg, global_batch=global_batch, steps_per_epoch=plan.steps,
                                             step_offset=plan.step_offset)
     with strategy.scope():
-        model = compile_model(build_model(*data.image_shape_and_classes(info)),
+        model = compile_model(build_model(*data.model_input(train, info)),
                               steps_per_execution=cfg.steps_per_execution,
                               jit_compile=cfg.jit_compile, fused_adam=cfg.fused_adam, learning_rate=learning_rate,
-                              worker_step_metrics=cfg.worker_step_metrics, allreduce_dtype=cfg.allreduce_dtype)
+                              allreduce_dtype=cfg.allreduce_dtype)
+        make_variables(tf, model, train.element_spec[0])
     # A backup this model or optimizer cannot continue is refused before training writes anything.
     resume.refuse_another_model(cfg, plan, model)
     # `fit` reads the batches from the first image the backup had not trained.
-    return model, data.training_input(strategy, model, train, plan.stream(cfg.epochs))
+    return model, data.training_input(strategy, train, plan.stream(cfg.epochs))
 
 
 @ends("fit")
@@ -163,8 +171,6 @@ def fit(cfg, model, train, test, *, plan, work_dir, preemption):
     """Step 4's `fit` with the tutorial's callbacks and the backup, from the plan's position. Returns the images
     it trained, and its wall seconds, the CPU seconds this process spent meanwhile (all its threads) and each
     epoch's wall seconds, which the benchmarks read; nothing when the backup had trained every epoch."""
-    from machinery import tf_private
-
     images = plan.train_images(cfg.epochs)
     if not images:
         return images, (0.0, 0.0, [])
@@ -173,9 +179,6 @@ def fit(cfg, model, train, test, *, plan, work_dir, preemption):
                                    checkpoint_dir=cfg.path(cfg.checkpoint_dir), backup_dir=cfg.path(cfg.backup_dir),
                                    plan=plan, preemption=preemption)
     start, start_cpu = time.perf_counter(), time.process_time()
-    # The optimizer's slots and the metrics' totals made now, which `fit` would make in its first step: the
-    # train step is traced once, not twice.
-    tf_private.create_step_variables(model)
     # The backup callback sets Keras's own counters to the plan's epoch and step; initial_epoch says the same.
     # With --validation, Keras evaluates the test split at each epoch's end; TensorBoard's callback writes
     # those figures to a `validation` run beside `train`.
@@ -192,23 +195,23 @@ def restore_and_evaluate(cfg, tf, model, test, *, restore):
         # The checkpoint also holds the optimizer, which evaluation does not need.
         latest = tf.train.latest_checkpoint(cfg.path(cfg.checkpoint_dir))
         model.load_weights(latest).assert_existing_objects_matched().expect_partial()
-    return model.evaluate(test.dataset, steps=test.steps)[1]
+    return export.accuracy(model, test)
 
 
 @ends("export")
 def export_model(cfg, model, work_dir):
-    """Step 6's export: the SavedModel, and the Keras 3 file beside it. Returns the SavedModel's path."""
+    """Step 6's export: the SavedModel, and the Keras 3 file beside it. Returns the SavedModel's path, and why
+    Keras could not save the Keras 3 file (None when it did)."""
     saved_model = os.path.join(work_dir, cfg.saved_model_dir)
     export.export(model, saved_model)
-    export.export_keras(model, os.path.join(work_dir, cfg.keras_model_file))
-    return saved_model
+    return saved_model, export.export_keras(model, os.path.join(work_dir, cfg.keras_model_file))
 
 
 @ends("reload")
 def reload_and_evaluate(cfg, saved_model, strategy, test):
     """Step 6's reloads: the SavedModel reloaded without and with the strategy's scope; both test accuracies."""
-    return [export.reload(saved_model, scope, steps_per_execution=cfg.steps_per_execution)
-            .evaluate(test.dataset, steps=test.steps)[1] for scope in (None, strategy)]
+    return [export.accuracy(export.reload(saved_model, scope, steps_per_execution=cfg.steps_per_execution), test)
+            for scope in (None, strategy)]
 
 
 # ---------------------------------------------------------------- the run
@@ -236,7 +239,7 @@ def run(cfg, preemption, phases):
     work_dir = outputs.clear_and_make_work_dir(cfg, is_chief)
 
     # Step 3: the model, compiled inside the strategy's scope.
-    model, train_input = build(cfg, strategy, info, train, plan, global_batch)
+    model, train_input = build(cfg, tf, strategy, info, train, plan, global_batch)
 
     # Step 4: training, from the first image the backup had not trained.
     if plan.resumed_after_images:
@@ -248,14 +251,14 @@ def run(cfg, preemption, phases):
     accuracy_checkpoint = restore_and_evaluate(cfg, tf, model, test, restore=is_chief or not trained)
 
     # Step 6: export, reload without and with the strategy's scope, evaluate both; and the Keras 3 file.
-    accuracy_unreplicated, accuracy_replicated = reload_and_evaluate(cfg, export_model(cfg, model, work_dir),
-                                                                     strategy, test)
+    saved_model, keras_unsaved = export_model(cfg, model, work_dir)
+    accuracy_unreplicated, accuracy_replicated = reload_and_evaluate(cfg, saved_model, strategy, test)
 
     figures = outputs.results(
         cfg, strategy, parameters=model.count_params(), global_batch=global_batch, plan=plan, train_images=trained,
         timing=timing, accuracies=(accuracy_checkpoint, accuracy_unreplicated, accuracy_replicated),
         learning_rate_scale=callbacks.learning_rate_scale(global_batch, cfg.scale_lr),
-        inputs={"train": train.how, "test": test.how}, phase_ends=phases.ends)
+        inputs={"train": train.how, "test": test.how}, keras_unsaved=keras_unsaved, phase_ends=phases.ends)
     preemption.finishing()
     outputs.finish(cfg, figures, is_chief=is_chief)
     print(json.dumps(figures, indent=2))

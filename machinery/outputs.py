@@ -64,11 +64,12 @@ def peak_gpu_memory_mb(strategy):
 
 
 def results(cfg, strategy, *, parameters, global_batch, plan, train_images, timing, accuracies, learning_rate_scale,
-            inputs, phase_ends=None):
+            inputs, keras_unsaved=None, phase_ends=None):
     """The figures of results.json; `plan` is where training started (resume.Plan), `timing` is `fit`'s wall and
     CPU seconds and each of its epochs' wall seconds, `accuracies` are the checkpoint's, the reloaded
     SavedModel's, and the SavedModel's reloaded in the strategy's scope; `inputs` how each split was read
-    ({"train": "resident" or "streamed", "test": ...}); `phase_ends` the Unix time at which each of the run's
+    ({"train": "resident" or "streamed", "test": ...}); `keras_unsaved` why Keras could not save the Keras 3 file
+    (None when it did); `phase_ends` the Unix time at which each of the run's
     phases so far ended, in order."""
     train_seconds, train_cpu_seconds, epoch_seconds = timing
     checkpoint, unreplicated, replicated = accuracies
@@ -99,10 +100,12 @@ def results(cfg, strategy, *, parameters, global_batch, plan, train_images, timi
         "warmup_epochs": cfg.warmup_epochs,
         "cross_device_ops": cfg.cross_device_ops or "default",
         "communication": cfg.communication or "default",
-        "step_metrics": (cfg.step_metrics or "worker") if cfg.strategy == "multiworker" else None,
+        # Each step's figures under multiworker: all workers', as Keras computes them (a former option's field).
+        "step_metrics": "all" if cfg.strategy == "multiworker" else None,
         "allreduce_dtype": cfg.allreduce_dtype if cfg.strategy == "multiworker" else None,
         "dtype_policy": cfg.dtype_policy,  # Keras's: float32, mixed_float16 or mixed_bfloat16
         "gpu_memory_growth": cfg.gpu_memory_growth,
+        "keras_model_unsaved": keras_unsaved,
         "phase_ends": {name: round(stamp, 3) for name, stamp in (phase_ends or {}).items()},
     }
 

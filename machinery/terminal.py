@@ -130,7 +130,8 @@ def summary(cfg, results, *, num_train, num_test, is_chief, resumed=None):
         f"test accuracy {results['eval_accuracy_checkpoint']:.4f}",
         f"  6. export    {cfg.path(cfg.saved_model_dir)} reloaded: test accuracy "
         f"{results['eval_accuracy_unreplicated']:.4f}, {results['eval_accuracy_replicated']:.4f} in the strategy's "
-        f"scope; Keras 3 file {cfg.path(cfg.keras_model_file)}",
+        "scope; " + (f"Keras 3 file {cfg.path(cfg.keras_model_file)}" if results["keras_model_unsaved"] is None
+                     else f"no Keras 3 file: {results['keras_model_unsaved']}"),
         f"  figures      {cfg.path(cfg.results_file)}" + ("" if is_chief else " (written by the chief)"),
     ]
     return "\n".join(lines)

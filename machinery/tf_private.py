@@ -19,8 +19,6 @@ naming the versions and what changed when an upgrade moves it.
   room for.
 - The device-side pipelines of TensorFlow's multi-device iterator (input_engine): `_create_device_dataset`.
 - tfds's builder, preparing without its two lines (tfds_builders): `_log_download_bytes` and `_log_download_done`.
-- The variables Keras creates in a train step's first call (train_mnist_mirrored's fit, export.reload): a legacy
-  optimizer's `_create_all_weights`, the compiled loss's and metrics' `build`.
 """
 
 import errno
@@ -28,6 +26,8 @@ import os
 import re
 
 # ---------------------------------------------------------------- Keras's BackupAndRestore, driven from outside
+
+KERAS_PACKAGES = ("tf_keras", "keras")  # the packages a model's Keras classes come from: Keras 2's and Keras 3's
 
 
 def build_optimizer(model):
@@ -37,31 +37,14 @@ def build_optimizer(model):
         optimizer.build(model.trainable_variables)
 
 
-def create_step_variables(model, *, labels_shape=(1,)):
-    """Creates now, in the model's strategy scope, the variables Keras would create in the first call of its train
-    or test function: the optimizer's slots and hyperparameters, the compiled loss's and metrics' totals. A
-    tf.function whose first call creates variables traces the step a second time, without creating them; made
-    beforehand, it traces the step once. `labels_shape` is one batch of labels (sparse: one per image), from
-    which Keras picks the accuracy's kind."""
-    import tensorflow as tf
-
-    with model.distribute_strategy.scope():
-        optimizer = model.optimizer
-        if optimizer is not None and hasattr(optimizer, "_create_all_weights"):  # the legacy ones (--fused-adam)
-            optimizer._create_all_weights(model.trainable_variables)
-        elif optimizer is not None:
-            build_optimizer(model)
-        outputs = tf.zeros((labels_shape[0], *model.output_shape[1:]))
-        model.compiled_loss.build(outputs)
-        model.compiled_metrics.build(outputs, tf.zeros(labels_shape))
-
-
 def worker_training_state(model, backup_dir, save_freq):
     """Keras's WorkerTrainingState: BackupAndRestore's checkpoint managers (`read_checkpoint_manager`,
     `write_checkpoint_manager`) and its counters, for `model`, from the Keras that built it."""
     import importlib
 
-    keras = type(model).__module__.split(".")[0]
+    # The Keras of the first of the model's classes that is Keras's own: a user's subclass lives in model.py.
+    keras = next(package for package in (cls.__module__.split(".")[0] for cls in type(model).__mro__)
+                 if package in KERAS_PACKAGES)
     module = importlib.import_module(f"{keras}.src.distribute.worker_training_state")
     return module.WorkerTrainingState(model, backup_dir, save_freq)
 
