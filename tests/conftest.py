@@ -121,6 +121,21 @@ def write_dataset(directory, arrays, name=None):
     return str(directory)
 
 
+def cached_split(images, labels):
+    """A training split cached from arrays, as input_engine.open_split caches a split that fits the memory limit:
+    each example (uint8 image, int64 label) through data.scale, held in CPU variables. For the tests of the stream,
+    whose examples need no tfds files."""
+    import tensorflow as tf
+
+    import data
+    from machinery import input_engine
+
+    examples = tf.data.Dataset.from_tensor_slices((images, labels)).map(data.scale)
+    scaled = examples.batch(len(labels)).get_single_element()
+    spec = tuple(tf.TensorSpec(tensor.shape[1:], tensor.dtype) for tensor in scaled)
+    return input_engine.Split(None, "train", data.scale, spec, len(labels), input_engine.held(scaled))
+
+
 # ---------------------------------------------------------------- fixtures
 
 @pytest.fixture(scope="session", autouse=True)

@@ -98,7 +98,7 @@ def test_step_cost_alternates_the_variants_in_one_process(tmp_path, data_dir):
     assert proc.returncode == 0, proc.stderr[-3000:]
     figures = json.loads(out.read_text())
     assert figures["rounds"] == 3 and figures["steps_a_round"] >= 1
-    assert set(figures["variants"]) == {"ceiling", "keras_memory", "keras_host", "keras_project",
+    assert set(figures["variants"]) == {"ceiling", "keras_memory", "keras_project",
                                         "keras_project_default", "keras_project_multiworker", "keras_streamed"}
     assert figures["variants"]["ceiling"]["ratio_to_ceiling"] == 1.0
     for name, variant in figures["variants"].items():

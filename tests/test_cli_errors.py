@@ -70,7 +70,6 @@ def test_bad_numbers_are_refused(flags, words, quick_args, tmp_path, capsys):
     (["--cross-device-ops", "reduce-to-one", "--strategy", "default"], ["--cross-device-ops", "mirrored"]),
     (["--communication", "ring"], ["--communication", "multiworker", "--cross-device-ops"]),
     (["--cross-device-ops", "nccl", "--cpu-replicas", "2"], ["nccl", "--cpu-replicas", "reduce-to-one"]),
-    (["--step-metrics", "all"], ["--step-metrics", "multiworker"]),
     (["--allreduce-dtype", "bfloat16"], ["--allreduce-dtype bfloat16", "multiworker"]),
     (["--allreduce-dtype", "float16", "--strategy", "multiworker", "--no-fused-adam",
       "--cluster-timeout", "1"], ["--allreduce-dtype float16", "--no-fused-adam"]),
@@ -78,8 +77,8 @@ def test_bad_numbers_are_refused(flags, words, quick_args, tmp_path, capsys):
     # XLA reaches no variable on another logical CPU: the compiled step would fail at its first call.
     (["--jit-compile", "--cpu-replicas", "2"], ["--jit-compile", "--cpu-replicas 2", "drop --jit-compile"]),
 ], ids=["warmup-without-scale", "warmup-1", "cross-device-ops-not-mirrored", "communication-not-multiworker",
-        "nccl-on-cpu-replicas", "step-metrics-not-multiworker", "allreduce-dtype-not-multiworker",
-        "allreduce-dtype-without-fused-adam", "devices-not-mirrored", "jit-compile-on-cpu-replicas"])
+        "nccl-on-cpu-replicas", "allreduce-dtype-not-multiworker", "allreduce-dtype-without-fused-adam",
+        "devices-not-mirrored", "jit-compile-on-cpu-replicas"])
 def test_option_combinations_are_refused(flags, words, quick_args, tmp_path, monkeypatch, capsys):
     monkeypatch.delenv("TF_CONFIG", raising=False)
     rc = train_mnist_mirrored.main(quick_args(*flags))

@@ -16,13 +16,13 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-import data
 from machinery import input_engine
 from machinery.exits import EXIT_OK, EXIT_PREEMPTED
-from conftest import (ROOT, Worker, finish, free_ports, images_at, make_split, max_abs_diff, subprocess_env,
-                      write_dataset)
+from conftest import (ROOT, Worker, cached_split, finish, free_ports, images_at, make_split, max_abs_diff,
+                      subprocess_env, write_dataset)
 
 REPRODUCER = os.path.join(ROOT, "docs", "upstream", "empty_batch_maxpoolgrad.py")
+TESTS = os.path.join(ROOT, "tests")  # on the scripts' path, for conftest.cached_split
 NUM_TRAIN = 17  # one more than a global batch of 16, or four of 4: every epoch ends with a batch of one example
 EPOCHS = 2
 
@@ -41,11 +41,11 @@ def _epochs_seen(num_examples, *, global_batch, replicas, shares, first_image=0,
     images = tf.constant(np.arange(num_examples, dtype=np.uint8).reshape(-1, 1, 1, 1))
     labels = tf.range(num_examples, dtype=tf.int64)
     steps = input_engine.steps_per_epoch(num_examples - first_image, global_batch)
-    stream = input_engine.Stream(num_examples=num_examples, global_batch=global_batch, buffer_size=8, seed=3, epochs=epochs,
-                         first_image=first_image)
-    split = input_engine.Split(None, "train", images, labels)
-    streams = [iter(input_engine.step_batches(split, stream, data.RECIPE, pad_to=replicas if replicas > 1 else None,
-                                              share=(index, shares)))
+    stream = input_engine.Stream(num_examples=num_examples, global_batch=global_batch, buffer_size=8, seed=3,
+                                 epochs=epochs, first_image=first_image)
+    split = cached_split(images, labels)
+    streams = [iter(input_engine.train_batches(split, stream, pad_to=replicas if replicas > 1 else None,
+                                               share=(index, shares)))
                for index in range(shares)]
     seen = []
     for epoch in range(epochs):
@@ -66,7 +66,9 @@ def test_every_image_once_an_epoch_and_no_empty_share(global_batch, replicas, sh
     epochs = _epochs_seen(NUM_TRAIN, global_batch=global_batch, replicas=replicas, shares=shares,
                           first_image=first_image)
     for number, epoch in enumerate(epochs):
-        order = list(data.shuffle(tf.data.Dataset.range(NUM_TRAIN), buffer_size=8, seed=3 + number).as_numpy_iterator())
+        # The tutorial's seeded shuffle of the epoch.
+        order = list(tf.data.Dataset.range(NUM_TRAIN).shuffle(8, seed=3 + number, reshuffle_each_iteration=False)
+                     .as_numpy_iterator())
         trained = [label for step in epoch for labels, weights in step for label, weight in zip(labels, weights)
                    if weight == 1]
         # In the epoch's seeded order, from the resumed image on, each image once, with weight 1.
@@ -100,6 +102,7 @@ UPDATE_SCRIPT = textwrap.dedent("""
     cpu = tf.config.list_physical_devices("CPU")[0]
     tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
     import data
+    from conftest import cached_split
     from machinery import input_engine
     from model import build_model, keras
 
@@ -113,9 +116,9 @@ UPDATE_SCRIPT = textwrap.dedent("""
         initial = build_model(image_shape, num_classes).get_weights()
     out = {"initial": [w.tolist() for w in initial]}
     for replicas in (2, 1):  # 1: not padded, so the last batch of one example leaves the second replica empty
-        stream = input_engine.step_batches(
-            input_engine.Split(None, "train", images, labels),
-            input_engine.Stream(num_examples=17, global_batch=8, buffer_size=8, seed=3, epochs=2), data.RECIPE,
+        stream = input_engine.train_batches(
+            cached_split(images, labels),
+            input_engine.Stream(num_examples=17, global_batch=8, buffer_size=8, seed=3, epochs=2),
             pad_to=replicas if replicas > 1 else None)
         with strategy.scope():
             model = build_model(image_shape, num_classes)
@@ -131,7 +134,7 @@ UPDATE_SCRIPT = textwrap.dedent("""
 @pytest.mark.slow
 def test_padding_leaves_each_update_that_of_the_real_examples(tmp_path):
     out = tmp_path / "weights.json"
-    env = {**subprocess_env(), "PYTHONPATH": ROOT, "TF_ENABLE_ONEDNN_OPTS": "0"}
+    env = {**subprocess_env(), "PYTHONPATH": os.pathsep.join([ROOT, TESTS]), "TF_ENABLE_ONEDNN_OPTS": "0"}
     proc = subprocess.run([sys.executable, "-c", UPDATE_SCRIPT, str(out)], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -47,8 +47,8 @@ def test_gitignore_covers_every_output_of_a_run_in_the_root(tmp_path):
 # ---------------------------------------------------------------- --help
 
 def test_help_says_what_an_unset_option_means_never_default_none(capsys):
-    """argparse's "(default: None)" would contradict help texts that name the real default (--step-metrics:
-    worker; --communication: auto); an option that can be left unset says what that means instead."""
+    """argparse's "(default: None)" would contradict help texts that name the real default (--communication:
+    auto; --data-dir: tfds's own); an option that can be left unset says what that means instead."""
     import re
 
     import train_mnist_mirrored
@@ -59,7 +59,7 @@ def test_help_says_what_an_unset_option_means_never_default_none(capsys):
     assert "(default: None)" not in shown
     assert "--epochs EPOCHS number of epochs to train (default: 12)" in shown  # other defaults still shown
     unset = [f for f in dataclasses.fields(Config) if "help" in f.metadata and f.default is None]
-    assert {"step_metrics", "communication", "devices", "data_dir", "steps_per_epoch"} <= {f.name for f in unset}
+    assert {"communication", "devices", "data_dir", "steps_per_epoch"} <= {f.name for f in unset}
     for field in unset:
         assert re.search(r"\bunset\b", field.metadata["help"]), field.name
 

@@ -15,7 +15,6 @@ import pytest
 import tensorflow as tf
 
 import callbacks
-import data
 from machinery import input_engine
 from machinery import resume
 import train_mnist_mirrored
@@ -97,6 +96,12 @@ def _assert_resumed_at(worker, position, now_batch):
     assert line in worker.stdout, worker.stdout[-3000:]
 
 
+def _tutorial_order(num_examples, epoch):
+    """An epoch's order of the split's indices by the tutorial's shuffle, seeded as the project seeds each epoch."""
+    order = tf.data.Dataset.range(num_examples).shuffle(BUFFER, seed=SEED + epoch, reshuffle_each_iteration=False)
+    return list(order.as_numpy_iterator())
+
+
 def _assert_each_image_once(segments):
     """`segments`: for each process in turn, (first position, last position, global batch). Rebuilds from
     input_engine.index_batches the batches each process trained and checks, epoch by epoch, that together they are
@@ -106,9 +111,9 @@ def _assert_each_image_once(segments):
         for epoch in range(first_epoch, last_epoch + (1 if last_image else 0)):
             start = first_image if epoch == first_epoch else 0
             stop = last_image if epoch == last_epoch else NUM_TRAIN
-            batches = list(input_engine.index_batches(input_engine.Stream(
+            batches = [indices for indices, _ in input_engine.index_batches(input_engine.Stream(
                 num_examples=NUM_TRAIN, global_batch=batch, buffer_size=BUFFER, seed=SEED, epochs=epoch + 1,
-                first_epoch=epoch, first_image=start), data.RECIPE).as_numpy_iterator())
+                first_epoch=epoch, first_image=start)).as_numpy_iterator()]
             sizes = [len(b) for b in batches]
             assert all(size == batch for size in sizes[:-1]) and 0 < sizes[-1] <= batch  # only the last is short
             # The process stopped after a whole batch: its backup falls on a batch boundary of its own.
@@ -116,7 +121,7 @@ def _assert_each_image_once(segments):
             assert stop == NUM_TRAIN or (stop - start) % batch == 0
             trained[epoch].extend(images.tolist())
     for epoch, images in trained.items():
-        order = list(data.shuffle(tf.data.Dataset.range(NUM_TRAIN), buffer_size=BUFFER, seed=SEED + epoch).as_numpy_iterator())
+        order = _tutorial_order(NUM_TRAIN, epoch)
         assert sorted(images) == list(range(NUM_TRAIN)), f"epoch {epoch + 1}"
         assert images == order, f"epoch {epoch + 1}"
 
@@ -161,10 +166,12 @@ def test_a_resized_plan_finishes_the_epoch_in_images():
 
 def test_the_resumed_stream_is_the_rest_of_the_epochs_order_then_whole_epochs():
     plan = resume.Plan.resuming(resume.Position(1, 200, 150, _settings(8)), _settings(64))
-    batches = list(input_engine.index_batches(plan.stream(3), data.RECIPE).as_numpy_iterator())
+    batches = list(input_engine.index_batches(plan.stream(3)).as_numpy_iterator())
     rest, after = batches[:plan.steps - plan.first_step], batches[plan.steps - plan.first_step:]
+    assert [epoch for _, epoch in rest] == [1] * 13 and [epoch for _, epoch in after] == [2] * 16
+    rest, after = [indices for indices, _ in rest], [indices for indices, _ in after]
     assert [len(b) for b in rest] == [64] * 12 + [32] and [len(b) for b in after] == [64] * 15 + [40]
-    order = [list(data.shuffle(tf.data.Dataset.range(1000), buffer_size=BUFFER, seed=SEED + e).as_numpy_iterator()) for e in (1, 2)]
+    order = [_tutorial_order(1000, e) for e in (1, 2)]
     assert np.concatenate(rest).tolist() == order[0][200:]
     assert np.concatenate(after).tolist() == order[1]
 

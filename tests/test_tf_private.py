@@ -48,25 +48,6 @@ def test_optimizer_built_flag():
     assert list(model.optimizer.variables) == slots, changed("a built optimizer is built again")
 
 
-@pytest.mark.parametrize("fused_adam", [True, False])
-def test_step_variables_made_beforehand_trace_each_step_once(fused_adam):
-    """The project's model and compile: with the variables of a step's first call made beforehand, `fit` and
-    `evaluate` trace their functions once; Keras would trace each twice (its first call creates them)."""
-    import data
-    from model import build_model, compile_model
-
-    image_shape, num_classes = data.image_shape_and_classes()
-    images, labels = tf.zeros((8, *image_shape)), tf.zeros((8,), tf.int64)
-    model = compile_model(build_model(image_shape, num_classes), steps_per_execution=2, fused_adam=fused_adam)
-    tf_private.create_step_variables(model)
-    model.fit(images, labels, batch_size=4, epochs=2, verbose=0)
-    model.evaluate(images, labels, batch_size=4, verbose=0)
-    assert model.train_tf_function.experimental_get_tracing_count() == 1, changed(
-        "the variables a train step creates are not all made by create_step_variables (traced twice)")
-    assert model.test_function.experimental_get_tracing_count() == 1, changed(
-        "the variables a test step creates are not all made by create_step_variables (traced twice)")
-
-
 def test_worker_training_state_and_its_counters(tmp_path):
     try:
         state = tf_private.worker_training_state(tiny_model(), str(tmp_path), 5)
@@ -322,30 +303,6 @@ def test_device_datasets_pass_through_the_wrap(monkeypatch):
     assert next(iterator).numpy().tolist() == [0, 1, 2, 3]
     assert wrapped, changed("the multi-device iterator no longer builds its device-side datasets through "
                             "`_create_device_dataset`")
-
-
-# ---------------------------------------------------------------- step hooks set on the model instance
-
-def test_fit_calls_the_step_hooks_set_on_the_instance():
-    """`data.training_input` and `model.report_worker_means` replace `train_step` and `compute_metrics` on
-    the instance, not in a subclass, so that the export stays a plain Sequential: Keras must look them up there."""
-    model = tiny_model()
-    calls = []
-    train_step, compute_metrics = model.train_step, model.compute_metrics
-
-    def step(batch):
-        calls.append("train_step")
-        return train_step(batch)
-
-    def metrics(x, y, y_pred, sample_weight):
-        calls.append("compute_metrics")
-        return compute_metrics(x, y, y_pred, sample_weight)
-
-    model.train_step, model.compute_metrics = step, metrics
-    model.fit(np.zeros((4, 2)), np.zeros((4, 1)), batch_size=4, epochs=1, verbose=0)
-    # Traced once or more (autograph may trace twice), each step calling both.
-    assert calls[:2] == ["train_step", "compute_metrics"] and set(calls) == {"train_step", "compute_metrics"}, changed(
-        f"`fit` traced {calls} instead of the instance's `train_step` and `compute_metrics`")
 
 
 # ---------------------------------------------------------------- tfds's builder, preparing without its two lines

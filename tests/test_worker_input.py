@@ -1,8 +1,9 @@
 """Each of two workers gathers only its own share of every global batch, and gets exactly the examples, and so
 the gradients, that Keras's own multi-worker input path gives it, partial last batches included; and the logs
-of each step are the metrics' values, not their sum over the workers, or by default each worker's own."""
+of each step are the metrics' values, all workers' together, not their sum over the workers."""
 
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -10,6 +11,8 @@ import textwrap
 import pytest
 
 from conftest import ROOT, free_ports, max_abs_diff, subprocess_env
+
+TESTS = os.path.join(ROOT, "tests")  # on the script's path, for conftest.cached_split
 
 # Each test here starts whole training runs.
 pytestmark = pytest.mark.slow
@@ -20,6 +23,7 @@ WORKER_SCRIPT = textwrap.dedent("""
     import numpy as np
     import tensorflow as tf
     import data
+    from conftest import cached_split
     from machinery import input_engine
     from model import build_model, compile_model, keras
 
@@ -35,12 +39,12 @@ WORKER_SCRIPT = textwrap.dedent("""
     # 19 examples end each epoch with a batch of 3 (shares of 2 and 1), 17 with a batch of 1 (1 and a padding
     # example: an empty share aborts TensorFlow's oneDNN MaxPoolGrad on some CPUs).
     for num_examples in (19, 17):
-        images = tf.constant(rng.integers(0, 256, (num_examples, *image_shape), dtype=np.uint8))
-        labels = tf.constant(rng.integers(0, num_classes, num_examples), tf.int64)
+        images = rng.integers(0, 256, (num_examples, *image_shape), dtype=np.uint8)
+        labels = rng.integers(0, num_classes, num_examples).astype(np.int64)
         steps = input_engine.steps_per_epoch(num_examples, global_batch)
         stream = input_engine.Stream(num_examples=num_examples, global_batch=global_batch, buffer_size=8, seed=3, epochs=2)
-        make_dataset = functools.partial(input_engine.step_batches, input_engine.Split(None, "train", images, labels),
-                                         stream, data.RECIPE, pad_to=strategy.num_replicas_in_sync)
+        make_dataset = functools.partial(input_engine.train_batches, cached_split(images, labels), stream,
+                                         pad_to=strategy.num_replicas_in_sync)
         paths = {"project": input_engine.distribute(strategy, make_dataset),
                  "keras": strategy.experimental_distribute_dataset(make_dataset(share=input_engine.WHOLE))}
 
@@ -72,21 +76,6 @@ WORKER_SCRIPT = textwrap.dedent("""
     logs_seen = keras.callbacks.LambdaCallback(on_train_batch_end=lambda batch, logs: seen.append(dict(logs)))
     history = model.fit(paths["project"], epochs=1, steps_per_epoch=steps, verbose=0, callbacks=[logs_seen])
     out["step_logs"], out["epoch_logs"] = seen[-1], {k: v[-1] for k, v in history.history.items()}
-
-    # The run's default under multiworker: each step shows this worker's running means, read without an
-    # all-reduce; the epoch's figures, and evaluation's, are still all workers'.
-    evaluation = make_dataset(share=input_engine.WHOLE)
-    with strategy.scope():
-        local = compile_model(build_model(image_shape, num_classes), steps_per_execution=steps, worker_step_metrics=True)
-        local.set_weights(model.get_weights())
-    out["evaluate_all"] = model.evaluate(evaluation, steps=steps, verbose=0)
-    out["evaluate_worker"] = local.evaluate(evaluation, steps=steps, verbose=0)
-    seen.clear()
-    history = local.fit(input_engine.distribute(strategy, make_dataset), epochs=1, steps_per_epoch=steps, verbose=0,
-                        callbacks=[logs_seen])
-    out["worker_step_logs"], out["worker_epoch_logs"] = seen[-1], {k: v[-1] for k, v in history.history.items()}
-    out["worker_examples"] = sum(sum(weights) for _, weights in out[f"labels_project_{num_examples}"][:steps])
-    out["worker_batch_dims"] = sum(len(labels) for labels, _ in out[f"labels_project_{num_examples}"][:steps])
     json.dump(out, open(sys.argv[1], "w"))
 """)
 
@@ -95,7 +84,7 @@ def test_two_workers_get_keras_shares_and_gradients(tmp_path):
     cluster = {"worker": [f"127.0.0.1:{port}" for port in free_ports(2)]}
     procs = []
     for index in range(2):
-        env = {**subprocess_env(), "PYTHONPATH": ROOT,
+        env = {**subprocess_env(), "PYTHONPATH": os.pathsep.join([ROOT, TESTS]),
                "TF_CONFIG": json.dumps({"cluster": cluster, "task": {"type": "worker", "index": index}})}
         procs.append(subprocess.Popen([sys.executable, "-c", WORKER_SCRIPT, str(tmp_path / f"w{index}.json")], cwd=ROOT,
                                       env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
@@ -130,21 +119,6 @@ def test_two_workers_get_keras_shares_and_gradients(tmp_path):
         assert set(w["step_logs"]) == {"loss", "accuracy"}
         for name, value in w["epoch_logs"].items():
             assert abs(w["step_logs"][name] - value) < 1e-6 * max(1.0, abs(value)), (name, w["step_logs"], value)
-    # With each worker's own step figures (the run's default under multiworker): the epoch's figures are the
-    # same on both workers, and they are the mean of the workers' figures weighted by how many examples each
-    # trained on (9 and 8 of 17), so the step figures were each worker's own running means; evaluation's
-    # result is all workers', as with Keras's own per-step all-reduce. Keras weighs the loss by the examples a
-    # batch holds, the padding example (of loss 0) included, and the accuracy by their weights.
-    counts = {"accuracy": [w["worker_examples"] for w in workers], "loss": [w["worker_batch_dims"] for w in workers]}
-    assert counts == {"accuracy": [9, 8], "loss": [9, 9]}
-    assert workers[0]["worker_step_logs"] != workers[1]["worker_step_logs"]
-    for name, value in workers[0]["worker_epoch_logs"].items():
-        assert abs(workers[1]["worker_epoch_logs"][name] - value) < 1e-6
-        examples = counts[name]
-        weighted = sum(w["worker_step_logs"][name] * n for w, n in zip(workers, examples)) / sum(examples)
-        assert abs(weighted - value) < 1e-5 * max(1.0, abs(value)), (name, weighted, value)
-    for w in workers:
-        assert w["evaluate_worker"] == w["evaluate_all"] == workers[0]["evaluate_all"]
 
 
 def test_the_entrypoint_keeps_cpu_memory_in_tensorflows_allocator():
