@@ -5,14 +5,14 @@ when the run is given that name and nothing else; and the same run with its spli
 held in memory trains to the same accuracy.
 """
 
-import json
 import os
 
 import numpy as np
 import pytest
 import tensorflow as tf
 
-from conftest import make_split, run_entrypoint, write_dataset
+from runs import finished
+from small_data import make_split, write_dataset
 
 pytestmark = pytest.mark.slow
 
@@ -30,17 +30,9 @@ def colour_data_dir(tmp_path_factory):
                           "test": make_split(60, rng, IMAGE_SHAPE, NUM_CLASSES)}, name=NAME)
 
 
-def finished(tmp_path, name, args):
-    output_dir = tmp_path / name
-    worker = run_entrypoint([*args, "--output-dir", str(output_dir)], tmp_path)
-    assert worker.returncode == 0, worker.stderr[-3000:]
-    with open(output_dir / "results.json") as f:
-        return output_dir, worker.stdout, json.load(f)
-
-
 def test_a_dataset_of_another_shape_by_its_name_alone(colour_data_dir, tmp_path):
-    output_dir, stdout, results = finished(tmp_path, "colour", ["--dataset", NAME, "--data-dir", colour_data_dir,
-                                                                *FLAGS])
+    output_dir, stdout, results = finished(["--dataset", NAME, "--data-dir", colour_data_dir, *FLAGS,
+                                            "--output-dir", str(tmp_path / "colour")], tmp_path)
     assert results["dataset"] == NAME and results["input"] == {"train": "resident", "test": "resident"}
     # The model was built for its images and classes: 32x32x3 in, 5 logits out, and it learned them.
     saved = tf.saved_model.load(str(output_dir / "saved_model")).signatures["serving_default"]
@@ -56,7 +48,7 @@ def test_a_dataset_of_another_shape_by_its_name_alone(colour_data_dir, tmp_path)
 def test_streamed_splits_train_as_resident_ones(data_dir, tmp_path):
     """--resident-limit-mb 0 streams both splits from tfds's files each epoch: the same batches in the same order,
     so the same accuracy."""
-    runs = {how: finished(tmp_path, how, ["--data-dir", data_dir, *FLAGS, *extra])[2]
+    runs = {how: finished(["--data-dir", data_dir, *FLAGS, *extra, "--output-dir", str(tmp_path / how)], tmp_path)[2]
             for how, extra in (("resident", []), ("streamed", ["--resident-limit-mb", "0"]))}
     assert runs["resident"]["input"] == {"train": "resident", "test": "resident"}
     assert runs["streamed"]["input"] == {"train": "streamed", "test": "streamed"}

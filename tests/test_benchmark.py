@@ -1,4 +1,5 @@
-"""The throughput benchmark runs end to end on tiny data and writes figures that agree with each other."""
+"""The throughput benchmark runs end to end on tiny data and writes figures that agree with each other; its variants
+are valid changes of the run's options; the step-cost and phase breakdowns run."""
 
 import json
 import os
@@ -8,7 +9,7 @@ import sys
 import pytest
 
 import config
-from conftest import ROOT, run_benchmark
+from processes import ROOT, run_benchmark
 
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))  # throughput.py's functions, imported where a test uses them
 

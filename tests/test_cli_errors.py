@@ -13,7 +13,8 @@ import data
 import train_mnist_mirrored
 from machinery import tfds_builders
 from machinery.exits import EXIT_BAD_INPUT, UsageError
-from conftest import run_entrypoint, smoke_args
+from processes import run_entrypoint
+from runs import smoke_args
 
 # These tests read the entrypoint's stderr in this process.
 pytestmark = pytest.mark.usefixtures("gpus_probed")

@@ -21,7 +21,7 @@ from machinery import exits
 from machinery import sigterm
 from machinery import worker_group
 from machinery import worker_sources
-from conftest import EXIT_SECONDS, ROOT, Worker, finish, free_ports, subprocess_env, wait_until
+from processes import EXIT_SECONDS, ROOT, Worker, finish, free_ports, subprocess_env, wait_until
 
 TIMEOUT = 5  # --cluster-timeout of these tests, seconds
 # A generous bound on a loaded 2-core machine, where loading TensorFlow alone takes seconds.

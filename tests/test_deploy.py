@@ -19,7 +19,8 @@ import yaml
 
 import config
 from machinery import worker_sources
-from conftest import INDEXED_JOB, JOBSET, ROOT, TRAINJOB, documents, job_specs, skip_unless_ci, trainer
+from manifests import INDEXED_JOB, JOBSET, TRAINJOB, documents, job_specs, trainer
+from processes import ROOT, skip_unless_ci
 from machinery import exits
 
 SBATCH = os.path.join(ROOT, "deploy", "slurm.sbatch")

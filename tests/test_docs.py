@@ -1,6 +1,7 @@
 """Every relative link in README.md, docs/*.md and tests/README.md reaches a file, and every #anchor a heading in it;
-and the prose a user reads makes no promise a machine measured once: no measured figure in --help, no test count
-in the README, docs/performance.md short enough to read.
+the prose a user reads makes no promise a machine measured once: no measured figure in --help, no test count in
+either README, docs/performance.md short enough to read; and tests/README.md's map names every test file and helper
+module in tests/, and only those.
 
 Anchors follow GitHub's rule for heading ids: lowercase, punctuation other than '-' and '_' removed, each space a
 '-', and a repeated heading gets -1, -2, ... Code blocks are skipped: their '#' lines are not headings. Pure
@@ -15,7 +16,8 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 README = os.path.join(ROOT, "README.md")
 DOCS = os.path.join(ROOT, "docs")
-TESTS_README = os.path.join(ROOT, "tests", "README.md")
+TESTS = os.path.join(ROOT, "tests")
+TESTS_README = os.path.join(TESTS, "README.md")
 PAGES = ([README] + sorted(os.path.join(DOCS, name) for name in os.listdir(DOCS) if name.endswith(".md"))
          + [TESTS_README])
 
@@ -134,7 +136,46 @@ def test_performance_page_stays_short():
                                            "docs/history.md")
 
 
-def test_readme_names_no_test_count():
-    """Test counts and suite times live in tests/README.md only, where they are kept up to date."""
-    found = [match.group(0) for line in prose_lines(README) for match in TEST_COUNT.finditer(line)]
-    assert not found, f"README.md names {found}; say it in tests/README.md and link there"
+@pytest.mark.parametrize("page", [README, TESTS_README], ids=lambda p: os.path.relpath(p, ROOT))
+def test_readme_names_no_test_count(page):
+    """A test count or a suite time is stale with the next test; pytest prints both at the end of every run (its
+    summary line, and pytest.ini's --durations for the slowest tests)."""
+    found = [match.group(0) for line in prose_lines(page) for match in TEST_COUNT.finditer(line)]
+    assert not found, f"{os.path.relpath(page, ROOT)} names {found}; pytest prints them at the end of every run"
+
+
+def table_rows(path, header):
+    """The cells of each row of the table whose header row starts with `header`, in a markdown file."""
+    lines = list(prose_lines(path))
+    start = next((i for i, line in enumerate(lines) if line.startswith(header)), None)
+    assert start is not None, f"{os.path.relpath(path, ROOT)} has no table headed {header!r}"
+    rows = []
+    for line in lines[start + 2:]:  # past the header and its --- row
+        if not line.startswith("|"):
+            break
+        rows.append([cell.strip() for cell in re.split(r"(?<!\\)\|", line.strip())[1:-1]])
+    return rows
+
+
+def python_files(pattern):
+    """The names of tests/'s Python files that match `pattern` whole."""
+    return {name for name in os.listdir(TESTS) if re.fullmatch(pattern, name)}
+
+
+def test_the_tests_map_names_every_test_file_and_only_those():
+    """tests/README.md's map, concern by concern: every test_*.py in tests/ is named in it at least once, every file
+    it names exists, and each row gives its tier."""
+    rows = table_rows(TESTS_README, "| concern |")
+    assert rows and all(len(row) == 3 for row in rows), [row for row in rows if len(row) != 3]
+    named = {name for _, files, _ in rows for name in re.findall(r"\btest_\w+\.py\b", files)}
+    on_disk = python_files(r"test_\w+\.py")
+    assert named == on_disk, (f"tests/README.md's map leaves out {sorted(on_disk - named)} and names "
+                              f"{sorted(named - on_disk)}, which do not exist")
+    assert [row[0] for row in rows if row[2] not in ("fast", "slow", "both")] == []
+
+
+def test_the_tests_map_names_every_helper_module():
+    """The helper modules' table names each of tests/'s Python files that is not a test file, and only those."""
+    named = {name for module, _ in table_rows(TESTS_README, "| module |")
+             for name in re.findall(r"\b\w+\.py\b", module)}
+    assert named == python_files(r"\w+\.py") - python_files(r"test_\w+\.py")

@@ -18,11 +18,12 @@ import tensorflow as tf
 
 from machinery import input_engine
 from machinery.exits import EXIT_OK, EXIT_PREEMPTED
-from conftest import (ROOT, Worker, cached_split, finish, free_ports, images_at, make_split, max_abs_diff,
-                      subprocess_env, write_dataset)
+from processes import ROOT, Worker, finish, free_ports, images_at, subprocess_env
+from runs import max_abs_diff
+from small_data import cached_split, make_split, write_dataset
 
 REPRODUCER = os.path.join(ROOT, "docs", "upstream", "empty_batch_maxpoolgrad.py")
-TESTS = os.path.join(ROOT, "tests")  # on the scripts' path, for conftest.cached_split
+TESTS = os.path.join(ROOT, "tests")  # on the scripts' path, for small_data.cached_split
 NUM_TRAIN = 17  # one more than a global batch of 16, or four of 4: every epoch ends with a batch of one example
 EPOCHS = 2
 
@@ -102,7 +103,7 @@ UPDATE_SCRIPT = textwrap.dedent("""
     cpu = tf.config.list_physical_devices("CPU")[0]
     tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
     import data
-    from conftest import cached_split
+    from small_data import cached_split
     from machinery import input_engine
     from model import build_model, keras
 

@@ -9,7 +9,7 @@ import subprocess
 import pytest
 
 from config import Config
-from conftest import ROOT
+from processes import ROOT
 
 
 # ---------------------------------------------------------------- a run in the repository's root
@@ -87,7 +87,7 @@ def test_offline_mnist_prepare_says_what_it_does_and_nothing_else(tmp_path, idx_
     """The first offline run (`--idx-dir DIR --data-dir NEW`) printed tfds's warning that the dataset folder it
     had not made yet "has no dataset_info.json", twice, and "Downloading and preparing dataset Unknown size"."""
     import data
-    from conftest import NUM_TRAIN
+    from small_data import NUM_TRAIN
 
     target = tmp_path / "tfds"
     info = data.load("mnist", str(target), idx_dir)

@@ -15,7 +15,7 @@ import sys
 import pytest
 
 from machinery.exits import EXIT_BAD_INPUT, EXIT_PREEMPTED
-from conftest import ROOT, Worker, finish, subprocess_env
+from processes import ROOT, Worker, finish, subprocess_env
 
 FLAGS = ["--epochs", "2", "--batch-size-per-replica", "8", "--steps-per-execution", "5"]
 

@@ -9,7 +9,8 @@ import tensorflow as tf
 from machinery import gpu_box
 from config import Config
 from machinery.exits import EXIT_BAD_INPUT, UsageError
-from conftest import run_entrypoint, smoke_args
+from processes import run_entrypoint
+from runs import smoke_args
 
 TWO_GPUS = """#!/bin/sh
 echo "GPU 0: NVIDIA A100-SXM4-40GB (UUID: GPU-0b8f8a3e-8c57-4a4e-9a5c-4c0e1f0d1a01)"
@@ -108,7 +109,7 @@ def test_gpu_check_stops_before_its_runs(two_gpus, tmp_path, data_dir):
     """benchmarks/gpu_check.sh, on the same machine: the entrypoint's line, before it prepares or runs anything."""
     import subprocess
 
-    from conftest import ROOT
+    from processes import ROOT
 
     out = tmp_path / "check"
     check = subprocess.run(["bash", "benchmarks/gpu_check.sh", "--data-dir", data_dir, "--output-dir", str(out)],

@@ -23,9 +23,10 @@ import pytest
 from machinery import exits, worker_sources
 import netns
 import train_mnist_mirrored
-from conftest import (ROOT, Worker, apply_env, assert_one_port_warning, assert_refused_in_one_line, backed_up_images,
-                      finish, images_at, job_specs, run_under_broken_tf_config, skip_unless_ci, started,
-                      subprocess_env, trainer, wait_for_backup_after)
+from manifests import job_specs, trainer
+from processes import (ROOT, Worker, apply_env, assert_one_port_warning, assert_refused_in_one_line, backed_up_images,
+                       finish, images_at, run_under_broken_tf_config, skip_unless_ci, started, subprocess_env,
+                       wait_for_backup_after)
 
 ENTRYPOINT = ["python", "train_mnist_mirrored.py"]
 BATCH = 8

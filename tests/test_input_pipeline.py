@@ -18,8 +18,9 @@ import tensorflow_datasets as tfds
 import data
 import train_mnist_mirrored
 from config import Config
-from conftest import (NUM_TEST, NUM_TRAIN, ROOT, assert_refused_in_one_line, max_abs_diff, smoke_args,
-                      subprocess_env)
+from processes import ROOT, assert_refused_in_one_line, subprocess_env
+from runs import max_abs_diff, smoke_args
+from small_data import NUM_TEST, NUM_TRAIN
 from machinery import input_engine, tfds_builders
 from machinery.exits import UsageError
 from machinery.input_engine import Stream, steps_per_epoch
@@ -27,7 +28,7 @@ from machinery.input_engine import Stream, steps_per_epoch
 BUFFER = 100  # smaller than the split, so the shuffle's buffer matters as it does on MNIST (10,000 of 60,000)
 BATCH = 24  # NUM_TRAIN is not a multiple of it: every epoch ends with a short batch
 SEED = 5
-TESTS = os.path.join(ROOT, "tests")  # on the scripts' path, for conftest.cached_split
+TESTS = os.path.join(ROOT, "tests")  # on the scripts' path, for small_data.cached_split
 
 
 @pytest.fixture(scope="module")
@@ -428,7 +429,7 @@ TRAINING_INPUT_SCRIPT = textwrap.dedent("""
     cpu = tf.config.list_physical_devices("CPU")[0]
     tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
     import data
-    from conftest import cached_split
+    from small_data import cached_split
     from machinery import input_engine
     from model import build_model, keras
 

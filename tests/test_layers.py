@@ -4,7 +4,7 @@ nothing in machinery/ imports a top-level module."""
 import ast
 import os
 
-from conftest import ROOT
+from processes import ROOT
 
 MACHINERY = os.path.join(ROOT, "machinery")
 

@@ -21,8 +21,8 @@ import pytest
 import config
 import prepare_mnist
 from config import Config
-from conftest import (EXIT_SECONDS, ROOT, Worker, dataset_folder, finish, free_ports, make_split, wait_until,
-                      write_idx_dir)
+from processes import EXIT_SECONDS, ROOT, Worker, finish, free_ports, wait_until
+from small_data import dataset_folder, make_split, write_idx_dir
 from machinery import scratch
 from machinery import sigterm
 from machinery import terminal

@@ -14,8 +14,8 @@ import tensorflow_datasets as tfds
 import data
 import prepare_mnist
 from config import Config
-from conftest import (IDX_NAMES, NUM_TEST, NUM_TRAIN, idx_images_bytes, idx_labels_bytes, subprocess_env,
-                      write_gz, write_idx_dir)
+from processes import subprocess_env
+from small_data import IDX_NAMES, NUM_TEST, NUM_TRAIN, idx_images_bytes, idx_labels_bytes, write_gz, write_idx_dir
 
 IMAGE_SHAPE, NUM_CLASSES = data.image_shape_and_classes()  # what tfds's DatasetInfo says the dataset holds
 

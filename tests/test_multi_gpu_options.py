@@ -2,7 +2,6 @@
 through the whole entrypoint), mixed precision in float16 and bfloat16 (loss scaling or none, the bare flag's
 meaning, float32 outputs and serving signature, the Keras 3 file), and the all-reduce choice recorded. The one-step comparison of the all-reduces is in test_multireplica.py."""
 
-import json
 import os
 
 import numpy as np
@@ -15,7 +14,7 @@ import config
 import model
 from machinery import resume
 from config import Config
-from conftest import SMOKE_CPU_REPLICAS, run_entrypoint, smoke_args
+from runs import SMOKE_CPU_REPLICAS, finished, smoke_args
 from model import keras
 from test_smoke_run import KERAS3_SCRIPT, _predict_in_fresh_process, _scalars
 
@@ -208,12 +207,9 @@ RUN_BATCH = 64
 
 
 def finished_run(tmp_path_factory, data_dir, name, options):
-    """A smoke run with `options`, to its end: its process, output folder and results.json."""
+    """A smoke run with `options`, to its end (runs.finished): its output folder, stdout and results.json."""
     output_dir = str(tmp_path_factory.mktemp(name) / "out")
-    proc = run_entrypoint([*smoke_args(data_dir, output_dir), *options], tmp_path_factory.mktemp(f"{name}_process"))
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    with open(os.path.join(output_dir, "results.json")) as f:
-        return proc, output_dir, json.load(f)
+    return finished([*smoke_args(data_dir, output_dir), *options], tmp_path_factory.mktemp(f"{name}_process"))
 
 
 @pytest.fixture(scope="module")
@@ -239,12 +235,12 @@ def test_options_run_records_its_choices(options_run):
 
 @pytest.mark.slow
 def test_options_run_prints_and_logs_the_rate_really_used(options_run):
-    proc, output_dir, results = options_run
+    output_dir, stdout, results = options_run
     scale = results["learning_rate_scale"]
     expected = [expected_rate((epoch + 1) * RUN_STEPS - 1, steps_per_epoch=RUN_STEPS, scale=scale, warmup_epochs=1)
                 for epoch in range(RUN_EPOCHS)]
     assert expected[0] != expected[1]  # mid-ramp, then scaled
-    printed = [float(line.rsplit(" ", 1)[1]) for line in proc.stdout.splitlines()
+    printed = [float(line.rsplit(" ", 1)[1]) for line in stdout.splitlines()
                if line.startswith("Learning rate for epoch")]
     assert printed == pytest.approx(expected, rel=1e-6)
     _, scalars = _scalars(os.path.join(output_dir, "logs"))
@@ -258,17 +254,16 @@ def bfloat16_run(tmp_path_factory, data_dir):
 
 @pytest.mark.slow
 def test_a_bfloat16_run_runs_to_the_end_and_names_its_policy(bfloat16_run):
-    proc, _, results = bfloat16_run
-    assert "Traceback" not in proc.stderr
+    _, stdout, results = bfloat16_run  # runs.finished saw no traceback
     assert results["dtype_policy"] == "mixed_bfloat16"
     assert results["eval_accuracy_checkpoint"] == results["eval_accuracy_unreplicated"] > 0.5
-    assert "compiled in the strategy's scope, mixed_bfloat16" in proc.stdout  # the summary names it
+    assert "compiled in the strategy's scope, mixed_bfloat16" in stdout  # the summary names it
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("run, compute", [("options_run", "float16"), ("bfloat16_run", "bfloat16")])
 def test_mixed_precision_exports_serve_float32(run, compute, request, dataset_arrays, tmp_path):
-    _, output_dir, _ = request.getfixturevalue(run)
+    output_dir, _, _ = request.getfixturevalue(run)
     saved = os.path.join(output_dir, "saved_model")
     serve = tf.saved_model.load(saved).signatures["serving_default"]
     (spec,) = serve.structured_input_signature[1].values()

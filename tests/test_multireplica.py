@@ -9,8 +9,8 @@ import textwrap
 
 import pytest
 
-from conftest import (ROOT, Worker, assert_one_port_warning, finish, free_ports, max_abs_diff, smoke_args,
-                      subprocess_env)
+from processes import ROOT, Worker, assert_one_port_warning, finish, free_ports, subprocess_env
+from runs import max_abs_diff, smoke_args
 
 # Each test here starts whole training runs.
 pytestmark = pytest.mark.slow

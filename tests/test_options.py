@@ -6,7 +6,8 @@ import os
 
 import pytest
 
-from conftest import Worker, finish, free_ports, run_entrypoint, smoke_args
+from processes import Worker, finish, free_ports, run_entrypoint
+from runs import smoke_args
 
 # Each run: its flags beside the smoke run's, and what its results.json must then say.
 RUNS = {

@@ -3,7 +3,6 @@ most --backup-every-steps steps, and either way the same command resumes at the 
 weights of a run never interrupted, bit for bit. SIGTERM to one of two workers is in test_resize.py, whose
 workers then resume on another cluster size. Under bfloat16 mixed precision it is the same, to the bit."""
 
-import json
 import os
 import signal
 import time
@@ -13,7 +12,8 @@ import pytest
 
 from machinery import resume
 from machinery.exits import EXIT_PREEMPTED
-from conftest import EXIT_SECONDS, Worker, final_weights, finish, run_entrypoint, wait_until
+from processes import EXIT_SECONDS, Worker, finish, wait_until
+from runs import final_weights, finished
 
 # Each test here starts whole training runs.
 pytestmark = pytest.mark.slow
@@ -33,17 +33,16 @@ def _args(data_dir, output_dir, *extra):
 
 
 def _finish(data_dir, output_dir, *extra):
-    proc = run_entrypoint(_args(data_dir, output_dir, *extra), os.path.dirname(output_dir))
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    with open(os.path.join(output_dir, "results.json")) as f:
-        return proc, json.load(f)
+    """The command to its end (runs.finished): its stdout and results.json."""
+    _, stdout, results = finished(_args(data_dir, output_dir, *extra), os.path.dirname(output_dir))
+    return stdout, results
 
 
-def _assert_resumed_inside_epoch_2(proc, results):
+def _assert_resumed_inside_epoch_2(stdout, results):
     step = results["resumed_from_step"]
     assert STEPS < step < 2 * STEPS, step  # inside epoch 2, not at its start
     assert results["resumed_from_epoch"] == 1
-    assert f"at epoch 2, image {(step - STEPS) * BATCH:,} of {STEPS * BATCH:,}\n" in proc.stdout
+    assert f"at epoch 2, image {(step - STEPS) * BATCH:,} of {STEPS * BATCH:,}\n" in stdout
     # It trained only what was missing, and counts only that.
     assert results["train_images"] == (EPOCHS * STEPS - step) * BATCH
 
@@ -104,10 +103,10 @@ def test_sigterm_saves_exits_143_and_resumes_bit_identical(strategy, precision, 
     assert epoch == 1 and 0 < step < STEPS
     assert f"saved at epoch 2, image {position.image:,} of {STEPS * BATCH:,};" in last
 
-    resumed, results = _finish(resume_data_dir, output_dir, "--strategy", strategy, *flags)
+    resumed_stdout, results = _finish(resume_data_dir, output_dir, "--strategy", strategy, *flags)
     assert results["resumed_from_step"] == STEPS + step and results["strategy"] == strategy
     assert results["dtype_policy"] == policy
-    _assert_resumed_inside_epoch_2(resumed, results)
+    _assert_resumed_inside_epoch_2(resumed_stdout, results)
     _assert_bit_identical(output_dir, uninterrupted(precision))
 
 
@@ -136,8 +135,8 @@ def test_sigkill_mid_epoch_resumes_at_the_last_backup_bit_identical(tmp_path, re
     assert proc.returncode == -signal.SIGKILL
     assert position[1] % EVERY == 0  # backups fall every --backup-every-steps steps
 
-    resumed, results = _finish(resume_data_dir, output_dir)
-    _assert_resumed_inside_epoch_2(resumed, results)
+    resumed_stdout, results = _finish(resume_data_dir, output_dir)
+    _assert_resumed_inside_epoch_2(resumed_stdout, results)
     assert results["resumed_from_step"] >= STEPS + position[1]  # at the backup seen, or a later one
     _assert_bit_identical(output_dir, uninterrupted("float32"))
 

@@ -11,7 +11,7 @@ import types
 
 import pytest
 
-from conftest import ROOT
+from processes import ROOT
 
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 import projection  # noqa: E402

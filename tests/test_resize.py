@@ -20,10 +20,10 @@ from machinery import resume
 import train_mnist_mirrored
 from config import Config
 from machinery.exits import EXIT_BAD_INPUT, EXIT_OK, EXIT_PREEMPTED, UsageError
-from conftest import EXIT_SECONDS, WAIT_SECONDS, Worker, finish, free_ports
+from processes import EXIT_SECONDS, WAIT_SECONDS, Worker, finish, free_ports
 from test_multi_gpu_options import expected_rate
 
-NUM_TRAIN = 1600  # conftest's resume data
+NUM_TRAIN = 1600  # conftest.resume_data_dir's training split
 EPOCHS = 2
 BATCH = 16  # per replica: 100 steps an epoch on one replica, 50 on two
 SEED = 7
@@ -354,7 +354,7 @@ def _args(data_dir, output_dir, args, *changed):
     (["--scale-lr"], "without --scale-lr"),
     (["--batch-size-per-replica", "8"], f"at global batch {BATCH}"),
     (["--epochs", "1"], "--epochs "),
-    ([], "1,600"),  # another dataset: conftest's small one
+    ([], "1,600"),  # another dataset: small_data's small one
 ], ids=["seed", "buffer-size", "steps-per-epoch", "scale-lr", "epoch-length", "epochs", "dataset"])
 @pytest.mark.slow
 def test_a_change_the_position_cannot_survive_is_refused(interrupted, resume_data_dir, data_dir, changed, named,

@@ -7,7 +7,8 @@ import signal
 import numpy as np
 import pytest
 
-from conftest import Worker, final_weights, finish, run_entrypoint
+from processes import Worker, finish, run_entrypoint
+from runs import final_weights
 
 # Each test here starts whole training runs.
 pytestmark = pytest.mark.slow

@@ -18,7 +18,8 @@ import config
 from machinery import run_lock
 import train_mnist_mirrored
 from machinery import worker_sources
-from conftest import Worker, backed_up_images, finish, images_at, run_entrypoint, smoke_args
+from processes import Worker, backed_up_images, finish, images_at, run_entrypoint
+from runs import smoke_args
 from machinery import exits
 
 HANDSHAKE_SECONDS = 120  # a guard against a hang: TensorFlow is not loaded before the lock is taken

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from conftest import ROOT, run_benchmark, subprocess_env
+from processes import ROOT, run_benchmark, subprocess_env
 
 
 def _bench(*args):

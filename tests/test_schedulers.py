@@ -1,4 +1,5 @@
-"""Launching from schedulers: Slurm's srun and a shared data dir, Kubeflow's TFJob and a lost worker (exit 138)."""
+"""Launching from schedulers: Slurm's srun and a shared data dir, Kubeflow's TFJob and a lost worker (exit 138), every
+bad Slurm variable in one line, TF_CONFIG over Slurm's, and a survivor naming the worker it lost."""
 
 import json
 import os
@@ -14,8 +15,10 @@ from machinery import terminal
 import train_mnist_mirrored
 from machinery import exits
 from config import Config
-from conftest import (Worker, apply_env, assert_one_port_warning, assert_refused_in_one_line, dataset_folder, finish,
-                      free_ports, run_under_broken_tf_config, smoke_args)
+from processes import (Worker, apply_env, assert_one_port_warning, assert_refused_in_one_line, finish, free_ports,
+                       run_under_broken_tf_config)
+from runs import smoke_args
+from small_data import dataset_folder
 
 CHIEF_OUTPUTS = ["logs", "model.keras", "results.json", "saved_model", "training_checkpoints"]
 

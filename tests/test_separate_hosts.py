@@ -11,7 +11,7 @@ import pytest
 
 from machinery import exits
 import netns
-from conftest import EXIT_SECONDS, Worker, backed_up_images, images_at, skip_unless_ci, started, wait_for_backup_after
+from processes import EXIT_SECONDS, Worker, backed_up_images, images_at, skip_unless_ci, started, wait_for_backup_after
 
 # Each test here starts whole training runs.
 pytestmark = pytest.mark.slow

@@ -9,7 +9,8 @@ import time
 import pytest
 
 from machinery.exits import EXIT_OK, EXIT_PREEMPTED
-from conftest import EXIT_SECONDS, SMOKE_BATCH, SMOKE_EPOCHS, SMOKE_STEPS, Worker, finish, smoke_args, wait_until
+from processes import EXIT_SECONDS, Worker, finish, wait_until
+from runs import SMOKE_BATCH, SMOKE_EPOCHS, SMOKE_STEPS, smoke_args
 
 # Each test here starts whole training runs.
 pytestmark = pytest.mark.slow

@@ -25,8 +25,8 @@ import pytest
 import netns
 import slurm_cluster
 from machinery.exits import EXIT_PEER_LOST, EXIT_PREEMPTED
-from conftest import (EXIT_SECONDS, ROOT, backed_up_images, free_ports, images_at, skip_unless_ci, started,
-                      wait_for_backup_after)
+from processes import (EXIT_SECONDS, ROOT, backed_up_images, free_ports, images_at, skip_unless_ci, started,
+                       wait_for_backup_after)
 from slurm_cluster import Node, SlurmCluster, wait_for_text, watch
 
 # Each test here starts whole training runs.

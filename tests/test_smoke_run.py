@@ -15,8 +15,9 @@ import tensorflow as tf
 import data
 import export
 import model
-from conftest import (ROOT, SMOKE_BATCH, SMOKE_CPU_REPLICAS, SMOKE_EPOCHS, SMOKE_STEPS, NUM_TEST, NUM_TRAIN,
-                      subprocess_env)
+from processes import ROOT, subprocess_env
+from runs import SMOKE_BATCH, SMOKE_CPU_REPLICAS, SMOKE_EPOCHS, SMOKE_STEPS
+from small_data import NUM_TEST, NUM_TRAIN
 
 IMAGE_SHAPE, NUM_CLASSES = data.image_shape_and_classes()  # from tfds's DatasetInfo
 

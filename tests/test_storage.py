@@ -15,7 +15,7 @@ import subprocess
 
 import pytest
 
-from conftest import backed_up_images, run_entrypoint, skip_unless_ci
+from processes import backed_up_images, run_entrypoint, skip_unless_ci
 
 EPOCHS = 2
 IMAGES = 1600  # resume_data_dir's training split

@@ -3,16 +3,15 @@ them (a subclassed model with BatchNormalization and Dropout, a per-example augm
 one-hot labels with a categorical loss, a dataset of images of varying size resized in `scale`), and the whole
 command run to its end: it trains, restores, evaluates and exports, and the three accuracies agree."""
 
-import json
-import os
-import pathlib
 import shutil
 
 import numpy as np
 import pytest
 import tensorflow as tf
 
-from conftest import ROOT, Worker, assert_refused_in_one_line, finish, make_images, write_dataset
+from processes import ROOT, assert_refused_in_one_line, run_entrypoint
+from runs import finished
+from small_data import make_images
 
 pytestmark = pytest.mark.slow
 
@@ -71,22 +70,13 @@ def user_copy(tmp_path, edits):
     return copy
 
 
-def run_copy(copy, tmp_path, args):
-    """The copy's entrypoint to its end, in a process of its own."""
-    worker = Worker(args, {}, tmp_path, "run", script=str(copy / "train_mnist_mirrored.py"))
-    finish([worker], timeout=600)
-    return worker
-
-
-def finished(copy, tmp_path, args):
-    output_dir = tmp_path / "out"
-    worker = run_copy(copy, tmp_path, [*args, "--output-dir", str(output_dir)])
-    assert worker.returncode == 0, worker.stderr[-3000:]
-    assert "Traceback" not in worker.stderr
-    results = json.loads((output_dir / "results.json").read_text())
+def finished_copy(copy, tmp_path, args):
+    """The copy's whole command to its end (runs.finished); its three accuracies agree."""
+    output_dir, stdout, results = finished([*args, "--output-dir", str(tmp_path / "out")], tmp_path,
+                                           script=str(copy / "train_mnist_mirrored.py"))
     accuracies = [results[name] for name in ACCURACIES]
     assert max(accuracies) - min(accuracies) < 1e-6, accuracies
-    return output_dir, worker.stdout, results
+    return output_dir, stdout, results
 
 
 def serving_signature(output_dir):
@@ -100,7 +90,7 @@ def test_a_subclassed_model_with_batch_norm_and_dropout(tmp_path, data_dir):
     from data import image_shape_and_classes
 
     copy = user_copy(tmp_path, {"model.py": [("\ndef build_model(", SUBCLASSED_MODEL)]})
-    output_dir, stdout, results = finished(copy, tmp_path, ["--data-dir", data_dir, *FLAGS])
+    output_dir, stdout, results = finished_copy(copy, tmp_path, ["--data-dir", data_dir, *FLAGS])
     assert results["eval_accuracy_checkpoint"] > 0.3, results
     # Built by the run for one scaled example (a subclass makes its variables at its first call), and exported.
     assert results["parameters"] > 0 and (output_dir / "saved_model" / "saved_model.pb").is_file()
@@ -115,7 +105,7 @@ def test_a_subclassed_model_with_batch_norm_and_dropout(tmp_path, data_dir):
 
 def test_a_per_example_augmentation_of_training_examples(tmp_path, data_dir):
     copy = user_copy(tmp_path, {"data.py": [("\naugment = None\n", AUGMENT)]})
-    _, stdout, results = finished(copy, tmp_path, ["--data-dir", data_dir, *FLAGS, "--cpu-replicas", "2"])
+    _, stdout, results = finished_copy(copy, tmp_path, ["--data-dir", data_dir, *FLAGS, "--cpu-replicas", "2"])
     # Traced into the training input, once per path, for one example at a time (its assert held).
     assert "augment: traced for one example of (" in stdout
     assert results["eval_accuracy_checkpoint"] > 0.3, results
@@ -130,7 +120,7 @@ def test_one_hot_labels_with_a_categorical_loss(tmp_path, data_dir):
         "model.py": [("keras.losses.SparseCategoricalCrossentropy(from_logits=True)",
                       "keras.losses.CategoricalCrossentropy(from_logits=True, label_smoothing=0.1)")],
     })
-    _, _, results = finished(copy, tmp_path, ["--data-dir", data_dir, *FLAGS])
+    _, _, results = finished_copy(copy, tmp_path, ["--data-dir", data_dir, *FLAGS])
     assert results["eval_accuracy_checkpoint"] > 0.3, results
 
 
@@ -164,7 +154,8 @@ def varying_data_dir(tmp_path_factory):
 def test_images_of_varying_size_resized_in_scale(tmp_path, varying_data_dir):
     copy = user_copy(tmp_path, {"data.py": [("    image = tf.cast(image, tf.float32)\n",
                                              f"    image = tf.image.resize(image, {RESIZED})\n")]})
-    output_dir, _, results = finished(copy, tmp_path, ["--dataset", VARYING, "--data-dir", varying_data_dir, *FLAGS])
+    output_dir, _, results = finished_copy(copy, tmp_path,
+                                           ["--dataset", VARYING, "--data-dir", varying_data_dir, *FLAGS])
     # The model is built for what scale yields, not for tfds's (None, None, 3).
     assert serving_signature(output_dir) == ((None, *RESIZED, 3), (None, VARYING_CLASSES))
     assert results["eval_accuracy_checkpoint"] > 2 / VARYING_CLASSES, results
@@ -172,7 +163,7 @@ def test_images_of_varying_size_resized_in_scale(tmp_path, varying_data_dir):
 
 def test_images_of_varying_size_without_a_resize_are_one_line(tmp_path, varying_data_dir):
     output_dir = tmp_path / "out"
-    worker = run_copy(pathlib.Path(ROOT), tmp_path, ["--dataset", VARYING, "--data-dir", varying_data_dir,
-                                                     "--output-dir", str(output_dir)])
+    worker = run_entrypoint(["--dataset", VARYING, "--data-dir", varying_data_dir, "--output-dir", str(output_dir)],
+                            tmp_path)
     assert_refused_in_one_line(worker.returncode, worker.stderr, ["vary in size", "data.scale", "tf.image.resize"],
                                str(output_dir))

@@ -7,7 +7,7 @@ import sys
 import pytest
 
 from machinery import terminal
-from conftest import ROOT, subprocess_env
+from processes import ROOT, subprocess_env
 
 # As TensorFlow 2.21 printed them at the start of a default run on this project's CPU machine.
 NOTICES = [

@@ -14,7 +14,7 @@ import tensorflow as tf
 import tensorflow_datasets as tfds
 
 from machinery import tf_private
-from conftest import ROOT, free_ports, subprocess_env
+from processes import ROOT, free_ports, subprocess_env
 from model import keras
 
 # A fresh process's TensorFlow start and a 2 s registration deadline, on a loaded machine.

@@ -10,9 +10,10 @@ import textwrap
 
 import pytest
 
-from conftest import ROOT, free_ports, max_abs_diff, subprocess_env
+from processes import ROOT, free_ports, subprocess_env
+from runs import max_abs_diff
 
-TESTS = os.path.join(ROOT, "tests")  # on the script's path, for conftest.cached_split
+TESTS = os.path.join(ROOT, "tests")  # on the script's path, for small_data.cached_split
 
 # Each test here starts whole training runs.
 pytestmark = pytest.mark.slow
@@ -23,7 +24,7 @@ WORKER_SCRIPT = textwrap.dedent("""
     import numpy as np
     import tensorflow as tf
     import data
-    from conftest import cached_split
+    from small_data import cached_split
     from machinery import input_engine
     from model import build_model, compile_model, keras
 
