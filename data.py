@@ -64,7 +64,7 @@ def image_shape_and_classes(info=None):
     and the number of classes, from DatasetInfo. Without `info`, the configured dataset's builder gives them
     without any data."""
     info = tfds_builders.declared_info(config.Config.dataset) if info is None else info
-    return info.features["image"].shape, info.features["label"].num_classes
+    return info.features[input_engine.IMAGE].shape, info.features[input_engine.LABEL].num_classes
 
 
 # ---------------------------------------------------------------- scale, and augment: one example each
@@ -94,7 +94,8 @@ def model_input(train, info):
     """What the model is built for: one scaled example's features' shape (a nest of shapes for several features),
     and the dataset's number of classes."""
     features = train.element_spec[0]
-    return tf.nest.map_structure(lambda spec: tuple(spec.shape), features), info.features["label"].num_classes
+    return (tf.nest.map_structure(lambda spec: tuple(spec.shape), features),
+            info.features[input_engine.LABEL].num_classes)
 
 
 def training_input(strategy, train, stream):

@@ -23,12 +23,12 @@ import tensorflow as tf
 import tensorflow_datasets as tfds
 
 from machinery.exits import UsageError
+from machinery.tfds_builders import IMAGE, LABEL  # the features the run trains on
 
 READ_BATCH = 1024  # examples read, decoded and scaled together
 WHOLE = (0, 1)  # an input pipeline's share of each global batch: the first of one, all of it
 PADDING = -1  # the index of a padding example in a batch of indices: example 0, at weight 0 (`padded`)
 RESIDENT, STREAMED = "resident", "streamed"  # how a split is read (results.json's `input`)
-IMAGE, LABEL = "image", "label"  # the features the run trains on, as tfds's supervised image datasets name them
 MB = 2**20
 
 
@@ -334,13 +334,18 @@ def index_batches(stream):
     return epochs_of(stream, one_epoch).prefetch(1).flat_map(slices)
 
 
+def cached_at(split, indices):
+    """The cached split's examples at `indices`, (features, label)."""
+    return tf.nest.map_structure(lambda cached: tf.gather(cached, indices), split.cache)
+
+
 def gathered(split, stream, indices, epoch, *, augment=None, weighted=False):
     """The cached examples at a batch of `indices` (PADDING reads example 0), each through `augment` when given;
     `weighted`, for batches that may hold PADDING, adds each example's weight (1, or 0 for padding), which Keras
     reads as sample weights."""
     real = indices != PADDING
     at = tf.where(real, indices, tf.zeros_like(indices))
-    batch = tf.nest.map_structure(lambda cached: tf.gather(cached, at), split.cache)
+    batch = cached_at(split, at)
     if augment is not None:
         batch = augmented(batch, example_seeds(stream, epoch, at), augment)
     return (*batch, tf.cast(real, tf.float32)) if weighted else tuple(batch)
@@ -411,8 +416,7 @@ def eval_batches(split, *, global_batch):
         batches = split.examples().batch(global_batch)
     else:
         indices = tf.data.Dataset.range(split.num_examples).batch(global_batch)
-        batches = indices.map(lambda at: tuple(tf.nest.map_structure(lambda cached: tf.gather(cached, at),
-                                                                     split.cache)))
+        batches = indices.map(lambda at: tuple(cached_at(split, at)))
     return for_distribution(batches)
 
 
