@@ -27,6 +27,11 @@ def unavailable():
     return None
 
 
+# Runs "$@" in a network namespace of its own with only its loopback up: what crosses that loopback is its own,
+# whatever the suite's other worker sends over the machine's.
+OWN_LOOPBACK = ["unshare", "--net", "--", "sh", "-c", 'ip link set lo up && exec "$@"', "sh"]
+
+
 def _ip(*args):
     subprocess.run(["ip", *args], check=True, capture_output=True, text=True, timeout=30)
 

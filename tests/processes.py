@@ -40,10 +40,11 @@ def subprocess_env():
     return env
 
 
-def run_benchmark(script, *args, timeout):
-    """benchmarks/`script` with `args`, in a fresh process started from the project's folder as a user starts it."""
-    return subprocess.run([sys.executable, os.path.join("benchmarks", script), *args], cwd=ROOT, env=subprocess_env(),
-                          capture_output=True, text=True, timeout=timeout)
+def run_benchmark(script, *args, timeout, run_in=()):
+    """benchmarks/`script` with `args`, in a fresh process started from the project's folder as a user starts it;
+    `run_in` a command prefix (netns.own_loopback)."""
+    return subprocess.run([*run_in, sys.executable, os.path.join("benchmarks", script), *args], cwd=ROOT,
+                          env=subprocess_env(), capture_output=True, text=True, timeout=timeout)
 
 
 # ---------------------------------------------------------------- waits, ports
