@@ -1,7 +1,9 @@
-"""Pre-emption and mid-epoch resume: SIGTERM saves at the next step boundary and exits 143, a SIGKILL loses at
-most --backup-every-steps steps, and either way the same command resumes at the saved step and ends with the
-weights of a run never interrupted, bit for bit. SIGTERM to one of two workers is in test_resize.py, whose
-workers then resume on another cluster size. Under bfloat16 mixed precision it is the same, to the bit."""
+"""Resume after a kill or a pre-emption: SIGTERM saves at the next step boundary and exits 143, a SIGKILL loses at
+most --backup-every-steps steps, and either way the same command resumes at the saved step, trains only what was
+missing (the learning-rate schedule where it was) and ends with the weights of a run never interrupted, bit for
+bit: --deterministic reruns are bit-identical. One uninterrupted run of each precision is the reference of every
+test here. SIGTERM to one of two workers is in test_resize.py, whose workers then resume on another cluster size.
+Under bfloat16 mixed precision it is the same, to the bit."""
 
 import os
 import signal
@@ -18,7 +20,7 @@ from runs import final_weights, finished
 # Each test here starts whole training runs.
 pytestmark = pytest.mark.slow
 
-EPOCHS = 3
+EPOCHS = 4  # the schedule changes at epoch 4, so a resume that lost its epoch would show
 BATCH = 8
 STEPS = 1600 // BATCH  # the resume data's 1,600 training images: 200 steps an epoch, none of them short
 EVERY = 20
@@ -47,26 +49,37 @@ def _assert_resumed_inside_epoch_2(stdout, results):
     assert results["train_images"] == (EPOCHS * STEPS - step) * BATCH
 
 
+class Reference:
+    """A run never interrupted: its output folder and final weights."""
+
+    def __init__(self, output_dir):
+        self.output_dir = output_dir
+        self.weights = final_weights(output_dir, EPOCHS)
+
+
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory, resume_data_dir):
-    """The final weights of a run never interrupted, of a precision: each run once, when a test first asks."""
+    """The run never interrupted, of a precision (a Reference): each run once, when a test first asks."""
     runs = {}
 
-    def weights(precision):
+    def reference(precision):
         if precision not in runs:
-            output_dir = str(tmp_path_factory.mktemp(f"preempt_uninterrupted_{precision}") / "out")
+            output_dir = str(tmp_path_factory.mktemp(f"uninterrupted_{precision}") / "out")
             flags, policy = PRECISIONS[precision]
             _, results = _finish(resume_data_dir, output_dir, *flags)
             assert results["resumed_from_step"] == 0 and results["train_images"] == EPOCHS * STEPS * BATCH
             assert results["dtype_policy"] == policy
-            runs[precision] = final_weights(output_dir, EPOCHS)
+            assert not os.path.exists(os.path.join(output_dir, "backup"))  # removed as the run ended
+            runs[precision] = Reference(output_dir)
         return runs[precision]
 
-    return weights
+    return reference
 
 
-def _assert_bit_identical(output_dir, expected):
-    got = final_weights(output_dir, EPOCHS)
+def _assert_bit_identical(output_dir, reference):
+    """The final weights of the run in `output_dir` are the reference's, bit for bit: a --deterministic rerun,
+    resumed or not, is bit-identical."""
+    got, expected = final_weights(output_dir, EPOCHS), reference.weights
     assert got.keys() == expected.keys()
     for name in expected:
         np.testing.assert_array_equal(got[name], expected[name], err_msg=name)
@@ -134,9 +147,28 @@ def test_sigkill_mid_epoch_resumes_at_the_last_backup_bit_identical(tmp_path, re
         proc.kill()
     assert proc.returncode == -signal.SIGKILL
     assert position[1] % EVERY == 0  # backups fall every --backup-every-steps steps
+    assert not os.path.exists(os.path.join(output_dir, "results.json"))
 
     resumed_stdout, results = _finish(resume_data_dir, output_dir)
     _assert_resumed_inside_epoch_2(resumed_stdout, results)
     assert results["resumed_from_step"] >= STEPS + position[1]  # at the backup seen, or a later one
+    # It trains epoch 2's rest and the epochs after it, each once, the schedule where it was: epoch 4 at 1e-4.
+    trained = [n for n in range(1, EPOCHS + 1) if f"Epoch {n}/{EPOCHS}" in resumed_stdout]
+    assert trained == list(range(2, EPOCHS + 1)), trained
+    assert f"Learning rate for epoch {EPOCHS} is 1e-04\n" in resumed_stdout
     _assert_bit_identical(output_dir, uninterrupted("float32"))
+    assert not os.path.exists(backup_dir)  # removed once the run ended
 
+
+def test_overwrite_replaces_a_finished_run_without_mixing_checkpoints(tmp_path, resume_data_dir, uninterrupted):
+    import shutil
+
+    output_dir = str(tmp_path / "out")
+    shutil.copytree(uninterrupted("float32").output_dir, output_dir)
+    assert os.path.exists(os.path.join(output_dir, "training_checkpoints", f"ckpt_{EPOCHS}.index"))
+    _, _, results = finished(["--epochs", "1", "--steps-per-epoch", "5", "--data-dir", resume_data_dir,
+                              "--output-dir", output_dir, "--overwrite"], tmp_path)
+    assert results["epochs"] == 1 and results["resumed_from_epoch"] == 0
+    # Only the new run's checkpoint is left: none of the old run's four survive beside it.
+    names = sorted(os.listdir(os.path.join(output_dir, "training_checkpoints")))
+    assert names == ["checkpoint", "ckpt_1.data-00000-of-00001", "ckpt_1.index"]
