@@ -27,6 +27,13 @@ def _project(*args):
                           text=True, timeout=120)
 
 
+def _projected(capsys, *args):
+    """projection.py's main in this process, where TensorFlow is already loaded (its refusals below run as
+    processes of their own): its stdout."""
+    assert projection.main(list(args)) == 0, capsys.readouterr().err
+    return capsys.readouterr().out
+
+
 def test_the_measured_figures_are_the_ones_docs_quote():
     """1-replica and 2-worker step times from the benchmark's images/s, as docs/history.md gives them ("The fitted
     terms")."""
@@ -107,12 +114,10 @@ def test_efficiency_rises_with_batch():
     assert compared == len(projection.NETWORKS) * (len(projection.WORKERS) - 1)
 
 
-def test_cli_prints_the_table_and_writes_the_picture(tmp_path):
+def test_cli_prints_the_table_and_writes_the_picture(tmp_path, capsys):
     png = tmp_path / "projection.png"
-    proc = _project("--output", str(png))
-    assert proc.returncode == 0, proc.stderr
+    out = _projected(capsys, "--output", str(png))
     assert png.read_bytes().startswith(PNG_MAGIC)
-    out = proc.stdout
     assert "per-replica batch 64" in out and "per-replica batch 256" in out
     assert all(f"N={n}" in out for n in projection.WORKERS)
     parameters, gradient_bytes, _ = projection.model_facts()
@@ -125,7 +130,7 @@ def test_cli_prints_the_table_and_writes_the_picture(tmp_path):
     assert len(gpu) == 2
 
 
-def test_cli_reads_a_scaling_results_file(tmp_path):
+def test_cli_reads_a_scaling_results_file(tmp_path, capsys):
     """A results file as benchmarks/scaling.py writes it (its own summarize()), with the 2-core x86-64 VM's batch-64 rates."""
     def run(images_per_s):
         return {"images_per_s": images_per_s, "images_per_cpu_s": images_per_s}
@@ -136,10 +141,9 @@ def test_cli_reads_a_scaling_results_file(tmp_path):
     path = tmp_path / "scaling.json"
     path.write_text(json.dumps(results))  # as outputs.write_json does: the batch keys become strings
     png = tmp_path / "p.png"
-    proc = _project("--scaling", str(path), "--where", "a test machine", "--output", str(png))
-    assert proc.returncode == 0, proc.stderr
-    assert "a test machine" in proc.stdout and "1 replica 17.4, 2 workers 24.3" in proc.stdout
-    assert "per-replica batch 256" not in proc.stdout  # only what the file holds
+    out = _projected(capsys, "--scaling", str(path), "--where", "a test machine", "--output", str(png))
+    assert "a test machine" in out and "1 replica 17.4, 2 workers 24.3" in out
+    assert "per-replica batch 256" not in out  # only what the file holds
     assert png.read_bytes().startswith(PNG_MAGIC)
 
 

@@ -1,7 +1,7 @@
 """The template carried to what users change: in a copy of the project, model.py or data.py edited as a user edits
-them (a subclassed model with BatchNormalization and Dropout, a per-example augmentation of training examples,
-one-hot labels with a categorical loss, a dataset of images of varying size resized in `scale`), and the whole
-command run to its end: it trains, restores, evaluates and exports, and the three accuracies agree."""
+them (a subclassed model with BatchNormalization and Dropout, one-hot labels with a categorical loss and a
+per-example augmentation of training examples, together; a dataset of images of varying size resized in `scale`),
+and the whole command run to its end: it trains, restores, evaluates and exports, and the three accuracies agree."""
 
 import shutil
 
@@ -86,42 +86,33 @@ def serving_signature(output_dir):
     return tuple(inputs.shape), tuple(outputs.shape)
 
 
-def test_a_subclassed_model_with_batch_norm_and_dropout(tmp_path, data_dir):
+def test_a_subclassed_model_one_hot_labels_and_an_augmentation(tmp_path, data_dir):
+    """A user's three edits in one copy, run on 2 replicas: model.py's model a subclass with BatchNormalization and
+    Dropout, data.py's labels one-hot with a categorical loss, and a per-example augmentation of training examples."""
     from data import image_shape_and_classes
 
-    copy = user_copy(tmp_path, {"model.py": [("\ndef build_model(", SUBCLASSED_MODEL)]})
-    output_dir, stdout, results = finished_copy(copy, tmp_path, ["--data-dir", data_dir, *FLAGS])
+    _, num_classes = image_shape_and_classes()
+    copy = user_copy(tmp_path, {
+        "model.py": [("\ndef build_model(", SUBCLASSED_MODEL),
+                     ("keras.losses.SparseCategoricalCrossentropy(from_logits=True)",
+                      "keras.losses.CategoricalCrossentropy(from_logits=True, label_smoothing=0.1)")],
+        "data.py": [("    return image, label\n", f"    return image, tf.one_hot(label, {num_classes})\n"),
+                    ("\naugment = None\n", AUGMENT)],
+    })
+    output_dir, stdout, results = finished_copy(copy, tmp_path,
+                                                ["--data-dir", data_dir, *FLAGS, "--cpu-replicas", "2"])
     assert results["eval_accuracy_checkpoint"] > 0.3, results
+    # The augmentation was traced into the training input for one example at a time (its assert held).
+    assert "augment: traced for one example of (" in stdout
     # Built by the run for one scaled example (a subclass makes its variables at its first call), and exported.
     assert results["parameters"] > 0 and (output_dir / "saved_model" / "saved_model.pb").is_file()
     inputs, outputs = serving_signature(output_dir)
-    assert inputs[0] is None and len(inputs) == 4 and outputs == (None, image_shape_and_classes()[1])
+    assert inputs[0] is None and len(inputs) == 4 and outputs == (None, num_classes)
     # model.keras where Keras saves it; otherwise the summary says why in one line.
     if results["keras_model_unsaved"] is None:
         assert (output_dir / "model.keras").is_file()
     else:
         assert f"no Keras 3 file: {results['keras_model_unsaved']}" in stdout
-
-
-def test_a_per_example_augmentation_of_training_examples(tmp_path, data_dir):
-    copy = user_copy(tmp_path, {"data.py": [("\naugment = None\n", AUGMENT)]})
-    _, stdout, results = finished_copy(copy, tmp_path, ["--data-dir", data_dir, *FLAGS, "--cpu-replicas", "2"])
-    # Traced into the training input, once per path, for one example at a time (its assert held).
-    assert "augment: traced for one example of (" in stdout
-    assert results["eval_accuracy_checkpoint"] > 0.3, results
-
-
-def test_one_hot_labels_with_a_categorical_loss(tmp_path, data_dir):
-    from data import image_shape_and_classes
-
-    _, num_classes = image_shape_and_classes()
-    copy = user_copy(tmp_path, {
-        "data.py": [("    return image, label\n", f"    return image, tf.one_hot(label, {num_classes})\n")],
-        "model.py": [("keras.losses.SparseCategoricalCrossentropy(from_logits=True)",
-                      "keras.losses.CategoricalCrossentropy(from_logits=True, label_smoothing=0.1)")],
-    })
-    _, _, results = finished_copy(copy, tmp_path, ["--data-dir", data_dir, *FLAGS])
-    assert results["eval_accuracy_checkpoint"] > 0.3, results
 
 
 VARYING = "tiny_varying_sizes"  # no tfds dataset: read from the folder it is prepared in
