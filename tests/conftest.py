@@ -24,6 +24,23 @@ from runs import SMOKE_CPU_REPLICAS, SmokeRun, smoke_args  # noqa: E402
 from small_data import NUM_TEST, NUM_TRAIN, make_split, write_dataset, write_idx_dir  # noqa: E402
 
 
+# The files whose tests take longest (the `--durations` list at each run's end says which), started first, then the
+# other files with slow tests, then the fast ones: the two workers (pytest.ini) take whole files in this order, so
+# that the short files at the end fill the gaps and both finish together. A name missing here only costs time.
+LONGEST_FIRST = ("test_slurm.py", "test_left_behind.py", "test_sigterm_sweep.py", "test_preemption.py",
+                 "test_resize.py", "test_benchmark.py", "test_scaling.py", "test_indexed_job.py",
+                 "test_separate_hosts.py")
+
+
+def pytest_collection_modifyitems(items):
+    slow_files = {item.path.name for item in items if item.get_closest_marker("slow")}
+
+    def rank(item):
+        name = item.path.name
+        return (LONGEST_FIRST.index(name) if name in LONGEST_FIRST else len(LONGEST_FIRST), name not in slow_files)
+    items.sort(key=rank)  # stable: each file's tests keep their order, and its module fixtures their sharing
+
+
 @pytest.fixture(scope="session", autouse=True)
 def own_temp_dir(tmp_path_factory):
     """This process's temporary files (tfds's builders that the tests make, autograph's sources of the runs inside
