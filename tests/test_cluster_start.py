@@ -1,7 +1,8 @@
 """A multi-worker cluster never hangs at start, and its workers leave together.
 
 Real processes on loopback: a worker whose peer never comes exits 138 within --cluster-timeout naming it; a taken
-port is one line; SIGTERM during the wait is 143 within seconds; a successful two-worker run logs no errors and its
+port is one line; SIGTERM during the wait is 143 within seconds; a successful two-worker run (a ring, all-reducing
+in bfloat16) logs no errors but each its open port, records its choices, leaves only the chief's outputs, and its
 progress bar shows figures a single replica could (accuracy in [0, 1]) mid-epoch. The SIGTERM mid-training case is
 in test_resize.py (the first pair of workers).
 """
@@ -21,7 +22,7 @@ from machinery import exits
 from machinery import sigterm
 from machinery import worker_group
 from machinery import worker_sources
-from processes import EXIT_SECONDS, ROOT, Worker, finish, free_ports, subprocess_env, wait_until
+from processes import EXIT_SECONDS, ROOT, Worker, assert_one_port_warning, finish, free_ports, subprocess_env, wait_until
 
 TIMEOUT = 5  # --cluster-timeout of these tests, seconds
 # A generous bound on a loaded 2-core machine, where loading TensorFlow alone takes seconds.
@@ -95,23 +96,50 @@ def test_sigterm_while_waiting_for_the_cluster_exits_143_at_once(tmp_path, data_
 
 # ---------------------------------------------------------------- a successful run
 
+class TwoWorkers:
+    """Two workers on loopback that train 2 epochs of 6 steps, 2 steps per call (progress bars with figures
+    mid-epoch), over a ring, all-reducing in bfloat16."""
+
+    def __init__(self, directory, data_dir):
+        self.ports, self.output_dir = free_ports(2), directory / "out"
+        run_args = args(data_dir, str(self.output_dir), "--epochs", "2", "--steps-per-epoch", "6",
+                        "--steps-per-execution", "2", "--batch-size-per-replica", "8",
+                        "--communication", "ring", "--allreduce-dtype", "bfloat16")
+        self.workers = [Worker(run_args, tf_config(self.ports, i), directory, f"w{i}") for i in range(2)]
+        finish(self.workers, timeout=400)
+
+    def __iter__(self):
+        return iter(self.workers)
+
+
 @pytest.fixture(scope="module")
 def two_workers(tmp_path_factory, data_dir):
-    """Two workers that train 2 epochs of 6 steps, 2 steps per call: progress bars with figures mid-epoch."""
-    directory = tmp_path_factory.mktemp("two_workers")
-    ports = free_ports(2)
-    run_args = args(data_dir, str(directory / "out"), "--epochs", "2", "--steps-per-epoch", "6",
-                    "--steps-per-execution", "2", "--batch-size-per-replica", "8")
-    workers = [Worker(run_args, tf_config(ports, i), directory, f"w{i}") for i in range(2)]
-    finish(workers, timeout=400)
-    return workers
+    return TwoWorkers(tmp_path_factory.mktemp("two_workers"), data_dir)
 
 
 @pytest.mark.slow
 def test_two_workers_succeed_without_error_lines(two_workers):
-    for w in two_workers:
+    for w, port in zip(two_workers, two_workers.ports):
         assert w.returncode == 0, w.stderr[-3000:]
         assert error_lines(w.stderr) == [], w.stderr[-3000:]
+        # Each says, once, that its port is open to anyone (docs/clusters.md, "Open ports").
+        assert_one_port_warning(w.stderr, port=port)
+
+
+@pytest.mark.slow
+def test_two_workers_record_their_choices_and_leave_only_the_chiefs_outputs(two_workers):
+    results = json.loads((two_workers.output_dir / "results.json").read_text())
+    assert results["replicas"] == 2 and results["strategy"] == "multiworker"
+    assert results["communication"] == "ring" and results["cross_device_ops"] == "default"
+    assert results["step_metrics"] == "all"  # each step's figures all workers', as Keras computes them
+    assert results["allreduce_dtype"] == "bfloat16"
+    assert results["eval_accuracy_checkpoint"] == results["eval_accuracy_unreplicated"] == results["eval_accuracy_replicated"]
+    # Only the chief's outputs are in --output-dir: no worker's temporary copies, and no backup once finished.
+    output_dir = two_workers.output_dir
+    assert sorted(os.listdir(output_dir)) == ["logs", "model.keras", "results.json", "saved_model", "training_checkpoints"]
+    assert not [d for d in os.listdir(output_dir / "training_checkpoints") if d.startswith("workertemp")]
+    # The non-chief wrote its copies to a temporary folder of its own (its TMPDIR) and removed it.
+    assert os.listdir(two_workers.workers[1].scratch) == []
 
 
 @pytest.mark.slow

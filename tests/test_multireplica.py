@@ -1,16 +1,16 @@
 """Real cross-replica training: two logical CPU replicas average gradients (with each all-reduce that runs on
-CPUs, and the gradients all-reduced in 16 bits), two workers train over TF_CONFIG, all-reducing in bfloat16."""
+CPUs, and the gradients all-reduced in 16 bits). Two workers over TF_CONFIG, all-reducing in bfloat16, are
+test_cluster_start.py's shared run."""
 
 import json
-import os
 import subprocess
 import sys
 import textwrap
 
 import pytest
 
-from processes import ROOT, Worker, assert_one_port_warning, finish, free_ports, subprocess_env
-from runs import max_abs_diff, smoke_args
+from processes import ROOT, subprocess_env
+from runs import max_abs_diff
 
 # Each test here starts whole training runs.
 pytestmark = pytest.mark.slow
@@ -103,29 +103,3 @@ def test_two_replicas_average_gradients_like_one(tmp_path):
     for dtype, expected in w["allreduce_expected"].items():
         assert w["allreduce"][dtype] == expected, dtype
     assert 0 < max_abs_diff([w["allreduce"]["bfloat16"]], [w["allreduce"]["float32"]]) < 0.05
-
-
-def test_two_workers_on_loopback(tmp_path, data_dir):
-    cluster = {"worker": [f"127.0.0.1:{port}" for port in free_ports(2)]}
-    output_dir = str(tmp_path / "out")
-    workers = [Worker(["--strategy", "multiworker", "--communication", "ring", "--allreduce-dtype", "bfloat16",
-                       *smoke_args(data_dir, output_dir)],
-                      {"TF_CONFIG": json.dumps({"cluster": cluster, "task": {"type": "worker", "index": index}})},
-                      tmp_path, f"tmp{index}")
-               for index in range(2)]
-    for w, status, address in zip(workers, finish(workers), cluster["worker"]):
-        assert status == 0, w.stderr[-3000:]
-        # Each says, once, that its port is open to anyone (docs/clusters.md, "Open ports").
-        assert_one_port_warning(w.stderr, port=address.rsplit(":", 1)[1])
-
-    results = json.loads(open(os.path.join(output_dir, "results.json")).read())
-    assert results["replicas"] == 2 and results["strategy"] == "multiworker"
-    assert results["communication"] == "ring" and results["cross_device_ops"] == "default"
-    assert results["step_metrics"] == "all"  # each step's figures all workers', as Keras computes them
-    assert results["allreduce_dtype"] == "bfloat16"
-    assert results["eval_accuracy_checkpoint"] == results["eval_accuracy_unreplicated"] == results["eval_accuracy_replicated"]
-    # Only the chief's outputs are in --output-dir: no worker's temporary copies, and no backup once finished.
-    assert sorted(os.listdir(output_dir)) == ["logs", "model.keras", "results.json", "saved_model", "training_checkpoints"]
-    assert not [d for d in os.listdir(os.path.join(output_dir, "training_checkpoints")) if d.startswith("workertemp")]
-    # The non-chief wrote its copies to a temporary folder of its own and removed it.
-    assert os.listdir(tmp_path / "tmp1") == []
