@@ -24,12 +24,13 @@ from runs import SMOKE_CPU_REPLICAS, SmokeRun, smoke_args  # noqa: E402
 from small_data import NUM_TEST, NUM_TRAIN, make_split, write_dataset, write_idx_dir  # noqa: E402
 
 
-# The files whose tests take longest (the `--durations` list at each run's end says which), started first, then the
-# other files with slow tests, then the fast ones: the two workers (pytest.ini) take whole files in this order, so
-# that the short files at the end fill the gaps and both finish together. A name missing here only costs time.
+# The files whose tests take longest (the `--durations` list at each run's end says which; the smoke run is the
+# fast tier's longest), started first, then the other files with slow tests, then the fast ones: the workers
+# (pytest.ini) take whole files in this order, so that the short files at the end fill the gaps and all finish
+# together. A name missing here only costs time.
 LONGEST_FIRST = ("test_slurm.py", "test_left_behind.py", "test_sigterm_sweep.py", "test_preemption.py",
                  "test_resize.py", "test_benchmark.py", "test_scaling.py", "test_indexed_job.py",
-                 "test_separate_hosts.py")
+                 "test_separate_hosts.py", "test_smoke_run.py")
 
 
 def pytest_collection_modifyitems(items):
