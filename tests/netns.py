@@ -28,7 +28,7 @@ def unavailable():
 
 
 # Runs "$@" in a network namespace of its own with only its loopback up: what crosses that loopback is its own,
-# whatever the suite's other worker sends over the machine's.
+# whatever the suite's other workers send over the machine's.
 OWN_LOOPBACK = ["unshare", "--net", "--", "sh", "-c", 'ip link set lo up && exec "$@"', "sh"]
 
 

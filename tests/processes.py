@@ -42,7 +42,7 @@ def subprocess_env():
 
 def run_benchmark(script, *args, timeout, run_in=()):
     """benchmarks/`script` with `args`, in a fresh process started from the project's folder as a user starts it;
-    `run_in` a command prefix (netns.own_loopback)."""
+    `run_in` a command prefix (netns.OWN_LOOPBACK)."""
     return subprocess.run([*run_in, sys.executable, os.path.join("benchmarks", script), *args], cwd=ROOT,
                           env=subprocess_env(), capture_output=True, text=True, timeout=timeout)
 
