@@ -3,10 +3,11 @@
 import json
 import os
 import pathlib
+import re
 
 import numpy as np
 
-from processes import run_entrypoint
+from processes import ROOT, run_entrypoint
 
 
 # ---------------------------------------------------------------- the smoke run (conftest.smoke_run)
@@ -52,6 +53,26 @@ def finished(args, directory, timeout=600, script="train_mnist_mirrored.py"):
     assert worker.returncode == 0, worker.stderr[-3000:]
     assert "Traceback" not in worker.stderr, worker.stderr[-3000:]
     return output_dir, worker.stdout, json.loads((output_dir / "results.json").read_text())
+
+
+# ---------------------------------------------------------------- what a finished run leaves
+
+def documented_outputs():
+    """The names the README's "Outputs" table gives, at the top of --output-dir."""
+    with open(os.path.join(ROOT, "README.md")) as f:
+        section = f.read().split("\n## Outputs\n", 1)[1].split("\n## ", 1)[0]
+    return {re.split(r"[/`]", cell)[0] for cell in re.findall(r"^\| `([^`]+)`", section, re.M)}
+
+
+def assert_only_documented_outputs(output_dir):
+    """A finished run's folder holds what the README's "Outputs" documents, the lock aside (it goes as the run ends),
+    and nothing half-written inside: Keras's non-chief copies, or a write not yet renamed into place."""
+    from config import Config
+
+    assert set(os.listdir(output_dir)) == documented_outputs() - {Config().lock_file}, output_dir
+    leftovers = [str(path) for path in pathlib.Path(output_dir).rglob("*")
+                 if re.search(r"workertemp|partial|_temp", path.name)]
+    assert leftovers == []
 
 
 # ---------------------------------------------------------------- the weights a run ends with

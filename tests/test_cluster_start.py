@@ -2,8 +2,8 @@
 
 Real processes on loopback: a worker whose peer never comes exits 138 within --cluster-timeout naming it; a taken
 port is one line; SIGTERM during the wait is 143 within seconds; a successful two-worker run (a ring, all-reducing
-in bfloat16) logs no errors but each its open port, records its choices, leaves only the chief's outputs, and its
-progress bar shows figures a single replica could (accuracy in [0, 1]) mid-epoch. The SIGTERM mid-training case is
+in bfloat16, validating) logs no errors but each its open port, records its choices, leaves only
+the chief's outputs, and its progress bar shows figures a single replica could (accuracy in [0, 1]) mid-epoch. The SIGTERM mid-training case is
 in test_resize.py (the first pair of workers).
 """
 
@@ -98,13 +98,13 @@ def test_sigterm_while_waiting_for_the_cluster_exits_143_at_once(tmp_path, data_
 
 class TwoWorkers:
     """Two workers on loopback that train 2 epochs of 6 steps, 2 steps per call (progress bars with figures
-    mid-epoch), over a ring, all-reducing in bfloat16."""
+    mid-epoch), over a ring, all-reducing in bfloat16, validating each epoch."""
 
     def __init__(self, directory, data_dir):
         self.ports, self.output_dir = free_ports(2), directory / "out"
         run_args = args(data_dir, str(self.output_dir), "--epochs", "2", "--steps-per-epoch", "6",
                         "--steps-per-execution", "2", "--batch-size-per-replica", "8",
-                        "--communication", "ring", "--allreduce-dtype", "bfloat16")
+                        "--communication", "ring", "--allreduce-dtype", "bfloat16", "--validation")
         self.workers = [Worker(run_args, tf_config(self.ports, i), directory, f"w{i}") for i in range(2)]
         finish(self.workers, timeout=400)
 
@@ -134,6 +134,10 @@ def test_two_workers_record_their_choices_and_leave_only_the_chiefs_outputs(two_
     assert results["step_metrics"] == "all"  # each step's figures all workers', as Keras computes them
     assert results["allreduce_dtype"] == "bfloat16"
     assert results["eval_accuracy_checkpoint"] == results["eval_accuracy_unreplicated"] == results["eval_accuracy_replicated"]
+    assert results["eval_accuracy_checkpoint"] > 0.5
+    # Validated each epoch: its figures on the chief's progress bar, its own TensorBoard folder.
+    assert " - val_loss: " in two_workers.workers[0].stdout
+    assert os.path.isdir(two_workers.output_dir / "logs" / "validation")
     # Only the chief's outputs are in --output-dir: no worker's temporary copies, and no backup once finished.
     output_dir = two_workers.output_dir
     assert sorted(os.listdir(output_dir)) == ["logs", "model.keras", "results.json", "saved_model", "training_checkpoints"]

@@ -1,16 +1,13 @@
 """Nothing left behind: every temporary file of a run in one scratch folder per process, removed at every end
 (machinery/scratch.py), the offline prepare included; a stop during start-up or the prepare says one line.
 
-The slow test runs what a cluster node sees: with TMPDIR an empty folder, a prepare stopped by SIGTERM and one run
-to its end, a run interrupted by Ctrl-C while TensorFlow starts, two workers of which one is SIGKILLed mid-run and
-both restarted, and two workers pre-empted by SIGTERM and restarted; afterwards TMPDIR is empty and every output
-folder holds only what the README's "Outputs" documents.
+The slow test runs, with TMPDIR an empty folder, a prepare stopped by SIGTERM and one run to its end, and a run
+interrupted by Ctrl-C while TensorFlow starts; afterwards TMPDIR is empty. Workers that share a node's TMPDIR, one
+SIGKILLed or both pre-empted, then restarted to the end, leave it empty too and only the README's "Outputs" in
+their folder: test_schedulers.py's TFJob that loses a worker and test_resize.py's two workers to one and back.
 """
 
-import json
 import os
-import pathlib
-import re
 import subprocess
 import sys
 import tempfile
@@ -18,23 +15,15 @@ import tempfile
 import numpy as np
 import pytest
 
-import config
 import prepare_mnist
 from config import Config
-from processes import EXIT_SECONDS, ROOT, Worker, finish, free_ports, wait_until
+from processes import EXIT_SECONDS, ROOT, Worker, finish, wait_until
 from small_data import dataset_folder, make_split, write_idx_dir
 from machinery import scratch
 from machinery import sigterm
 from machinery import terminal
 from test_cluster_start import error_lines
 from machinery import exits
-
-
-def documented_outputs():
-    """The names the README's "Outputs" table gives, at the top of --output-dir."""
-    with open(os.path.join(ROOT, "README.md")) as f:
-        section = f.read().split("\n## Outputs\n", 1)[1].split("\n## ", 1)[0]
-    return {re.split(r"[/`]", cell)[0] for cell in re.findall(r"^\| `([^`]+)`", section, re.M)}
 
 
 # ---------------------------------------------------------------- the scratch folder, in this process
@@ -136,19 +125,10 @@ def test_a_failure_during_start_up_still_shows_the_held_lines(capfd):
     assert capfd.readouterr().err == "I0000 what led to it\n"
 
 
-# ---------------------------------------------------------------- as a cluster node sees it
+# ---------------------------------------------------------------- stops, with TMPDIR an empty folder
 
-EPOCHS = 4
-# Short epochs of single steps, as test_schedulers's lost worker: a worker is killed in epoch 2 (or soon after).
-RUN_FLAGS = ["--strategy", "multiworker", "--epochs", str(EPOCHS), "--steps-per-epoch", "10",
-             "--batch-size-per-replica", "4", "--steps-per-execution", "1"]
 # Enough images that the prepare is still writing them when SIGTERM comes (seconds, on a loaded 2-core machine).
 LARGE_PREPARE = 20_000
-
-
-def tf_config(ports, index):
-    return {"TF_CONFIG": json.dumps({"cluster": {"worker": [f"127.0.0.1:{port}" for port in ports]},
-                                     "task": {"type": "worker", "index": index}})}
 
 
 def holding(worker, text):
@@ -171,22 +151,8 @@ def one_error_line(worker):
     return errors[0]
 
 
-def two_workers(directory, name, data_dir, output_dir, env):
-    ports = free_ports(2)
-    args = [*RUN_FLAGS, "--data-dir", data_dir, "--output-dir", output_dir]
-    return [Worker(args, {**tf_config(ports, i), **env}, directory, f"{name}{i}") for i in range(2)]
-
-
-def restarted_to_the_end(directory, name, data_dir, output_dir, env):
-    workers = two_workers(directory, name, data_dir, output_dir, env)
-    for worker, status in zip(workers, finish(workers)):
-        assert status == 0, worker.stderr[-3000:]
-    with open(os.path.join(output_dir, config.Config().results_file)) as f:
-        assert json.load(f)["resumed_from_epoch"] >= 1
-
-
 @pytest.mark.slow
-def test_a_node_that_runs_stopped_and_restarted_jobs_keeps_nothing(tmp_path):
+def test_stopped_prepares_and_runs_keep_nothing(tmp_path):
     tmpdir = tmp_path / "tmpdir"
     tmpdir.mkdir()
     env = {"TMPDIR": str(tmpdir)}  # every process's, as on one node
@@ -235,35 +201,5 @@ def test_a_node_that_runs_stopped_and_restarted_jobs_keeps_nothing(tmp_path):
     assert run.returncode == exits.EXIT_INTERRUPTED, run.stderr[-3000:]
     assert run.stderr.count("\n") == 1 and one_error_line(run).startswith("error: interrupted;"), run.stderr
 
-    # Two workers, one SIGKILLed in epoch 2; the other leaves (138); both restarted to the end.
-    lost_out = str(tmp_path / "lost")
-    chief, worker = two_workers(tmp_path, "lost", data_dir, lost_out, env)
-    try:
-        chief.wait_for(f"Epoch 2/{EPOCHS}")
-        worker.proc.kill()
-        assert finish([chief], 300) == [exits.EXIT_PEER_LOST], chief.stderr[-3000:]
-    finally:
-        finish([chief, worker], EXIT_SECONDS)
-    restarted_to_the_end(tmp_path, "lost_again", data_dir, lost_out, env)
-
-    # Two workers pre-empted by SIGTERM in epoch 2 (143 each), both restarted to the end.
-    preempted_out = str(tmp_path / "preempted")
-    workers = two_workers(tmp_path, "preempted", data_dir, preempted_out, env)
-    try:
-        workers[0].wait_for(f"Epoch 2/{EPOCHS}")
-        for w in workers:
-            w.proc.terminate()
-        assert finish(workers, EXIT_SECONDS) == [exits.EXIT_PREEMPTED] * 2, [w.stderr[-3000:] for w in workers]
-    finally:
-        finish(workers, EXIT_SECONDS)
-    restarted_to_the_end(tmp_path, "preempted_again", data_dir, preempted_out, env)
-
     assert os.listdir(tmpdir) == []
-    finished = documented_outputs() - {config.Config().lock_file}  # the lock goes as the run ends
     assert not interrupted_out.exists() or os.listdir(interrupted_out) == []
-    for output_dir in (lost_out, preempted_out):
-        assert set(os.listdir(output_dir)) == finished, output_dir
-        # Nor anything half-written inside them: Keras's non-chief copies, or a write not yet renamed into place.
-        leftovers = [str(path) for path in pathlib.Path(output_dir).rglob("*")
-                     if re.search(r"workertemp|partial|_temp", path.name)]
-        assert leftovers == []

@@ -1,12 +1,14 @@
 """Every option and choice of `--help` runs to the end somewhere in the suite, alone or as a user would combine
-them; these are the runs of those no other test runs to the end. Each is a real process on the tests' tiny data."""
+them; these are the runs of those no other test runs to the end. Each is a real process on the tests' tiny data.
+The multi-worker choices run in test_cluster_start.py's two workers (a ring, bfloat16, validating) and
+test_schedulers.py's two Slurm tasks (`--communication auto`, float16 under mixed precision)."""
 
 import json
 import os
 
 import pytest
 
-from processes import Worker, finish, free_ports, run_entrypoint
+from processes import run_entrypoint
 from runs import smoke_args
 
 # Each run: its flags beside the smoke run's, and what its results.json must then say.
@@ -19,9 +21,6 @@ RUNS = {
                  "--allreduce-dtype", "float32"],
                 {"strategy": "mirrored", "replicas": 1, "cross_device_ops": "reduce-to-one"}),
 }
-# Two workers on loopback, with the multi-worker choices no other run makes, mixed precision and validation beside them.
-MULTIWORKER = ["--strategy", "multiworker", "--communication", "auto", "--allreduce-dtype", "float16",
-               "--mixed-precision", "--validation"]
 
 
 @pytest.fixture(scope="module", params=sorted(RUNS))
@@ -46,21 +45,3 @@ def test_runs_to_the_end_and_records_its_choices(one_process_run):
     assert sorted(os.listdir(output_dir)) == ["logs", "model.keras", "results.json", "saved_model",
                                               "training_checkpoints"]
 
-
-@pytest.mark.slow
-def test_two_workers_with_every_multiworker_choice_run_to_the_end(tmp_path, data_dir):
-    cluster = {"worker": [f"127.0.0.1:{port}" for port in free_ports(2)]}
-    output_dir = str(tmp_path / "out")
-    workers = [Worker([*MULTIWORKER, *smoke_args(data_dir, output_dir)],
-                      {"TF_CONFIG": json.dumps({"cluster": cluster, "task": {"type": "worker", "index": index}})},
-                      tmp_path, f"worker{index}")
-               for index in range(2)]
-    for worker, status in zip(workers, finish(workers)):
-        assert status == 0, worker.stderr[-3000:]
-        assert "Traceback" not in worker.stderr
-    with open(os.path.join(output_dir, "results.json")) as f:
-        results = json.load(f)
-    assert (results["replicas"], results["communication"], results["allreduce_dtype"], results["dtype_policy"]) == (
-        2, "auto", "float16", "mixed_float16")
-    assert results["eval_accuracy_checkpoint"] == results["eval_accuracy_unreplicated"] > 0.5
-    assert " - val_loss: " in workers[0].stdout and os.path.isdir(os.path.join(output_dir, "logs", "validation"))

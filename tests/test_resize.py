@@ -1,7 +1,8 @@
 """A run restarted on another cluster size continues exactly, counted in images: 1 replica to 2 and 2 to 1, 2
 workers to 1 and back to 2, interrupted by SIGTERM or SIGKILL mid-epoch, the resized runs too. Every training
 image of each epoch is trained exactly once across the processes, the counts add up, and the learning rate
-stays on the epochs' schedule. A restart the backup's position cannot survive is refused, the backup kept."""
+stays on the epochs' schedule; workers pre-empted and restarted leave nothing in their node's TMPDIR. A restart the
+backup's position cannot survive is refused, the backup kept."""
 
 import hashlib
 import json
@@ -21,6 +22,7 @@ import train_mnist_mirrored
 from config import Config
 from machinery.exits import EXIT_BAD_INPUT, EXIT_OK, EXIT_PREEMPTED, UsageError
 from processes import EXIT_SECONDS, WAIT_SECONDS, Worker, finish, free_ports
+from runs import assert_only_documented_outputs
 from test_multi_gpu_options import expected_rate
 
 NUM_TRAIN = 1600  # conftest.resume_data_dir's training split
@@ -37,11 +39,12 @@ def _start(tmp_path, name, data_dir, output_dir, *extra, env=None, epochs=EPOCHS
     return Worker(args, env or {}, tmp_path, name)
 
 
-def _workers(tmp_path, name, data_dir, output_dir, count):
-    """`count` multi-worker processes on loopback, on ports of their own."""
+def _workers(tmp_path, name, data_dir, output_dir, count, env=None):
+    """`count` multi-worker processes on loopback, on ports of their own; `env`: more of their environment."""
     cluster = {"worker": [f"127.0.0.1:{port}" for port in free_ports(count)]}
     return [_start(tmp_path, f"{name}{index}", data_dir, output_dir, "--strategy", "multiworker",
-                   env={"TF_CONFIG": json.dumps({"cluster": cluster, "task": {"type": "worker", "index": index}})})
+                   env={"TF_CONFIG": json.dumps({"cluster": cluster, "task": {"type": "worker", "index": index}}),
+                        **(env or {})})
             for index in range(count)]
 
 
@@ -269,10 +272,12 @@ def test_two_replicas_to_one_after_sigkill_keeps_the_warmup_on_epochs(tmp_path, 
 def test_two_workers_to_one_and_back_to_two(tmp_path, resume_data_dir):
     output_dir = str(tmp_path / "out")
     backup_dir = os.path.join(output_dir, "backup")
+    node = {"TMPDIR": str(tmp_path / "tmpdir")}  # every process's, as on one node
+    os.mkdir(node["TMPDIR"])
 
     # Two workers (global batch 32); the non-chief is pre-empted inside epoch 2, and the chief learns of it
     # through the all-reduce: both save at the same step, name it, and exit 143.
-    workers = _workers(tmp_path, "pair", resume_data_dir, output_dir, 2)
+    workers = _workers(tmp_path, "pair", resume_data_dir, output_dir, 2, env=node)
     workers[0].wait_for(f"Epoch 2/{EPOCHS}")
     workers[1].proc.send_signal(signal.SIGTERM)
     exits = _exit_seconds(workers, since=time.monotonic())
@@ -287,7 +292,7 @@ def test_two_workers_to_one_and_back_to_two(tmp_path, resume_data_dir):
         assert f"saved at epoch 2, image {first.image:,} of {NUM_TRAIN:,};" in worker.last_stderr_line
 
     # One worker (global batch 16) goes on, and is pre-empted once it has backed up some of its own.
-    (single,) = workers = _workers(tmp_path, "single", resume_data_dir, output_dir, 1)
+    (single,) = workers = _workers(tmp_path, "single", resume_data_dir, output_dir, 1, env=node)
     _wait_for_backup(single, backup_dir, lambda p: _trained(p) > _trained(first))
     single.proc.send_signal(signal.SIGTERM)
     _preempted(workers)
@@ -296,7 +301,7 @@ def test_two_workers_to_one_and_back_to_two(tmp_path, resume_data_dir):
     assert second.settings.global_batch == BATCH and _trained(second) < EPOCHS * NUM_TRAIN
 
     # Two workers again finish the run.
-    workers = _workers(tmp_path, "again", resume_data_dir, output_dir, 2)
+    workers = _workers(tmp_path, "again", resume_data_dir, output_dir, 2, env=node)
     results = _finished(workers, output_dir)
     assert results["replicas"] == 2
     for worker in workers:
@@ -311,6 +316,9 @@ def test_two_workers_to_one_and_back_to_two(tmp_path, resume_data_dir):
     for worker in workers:
         assert sorted(_rates(worker.stdout)) == [EPOCHS]
         _assert_rates_on_schedule(worker.stdout, global_batch=2 * BATCH, scale_lr=False)
+    # Pre-empted twice and finished: nothing left in the node's TMPDIR, only the documented outputs in the folder.
+    assert os.listdir(node["TMPDIR"]) == []
+    assert_only_documented_outputs(output_dir)
 
 
 # ---------------------------------------------------------------- what a restart may not change
