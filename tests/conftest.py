@@ -33,6 +33,27 @@ LONGEST_FIRST = ("test_slurm.py", "test_left_behind.py", "test_sigterm_sweep.py"
                  "test_separate_hosts.py", "test_smoke_run.py")
 
 
+# The files whose tests use the smoke run (a session fixture: made once per worker that asks for it), taken by one
+# worker together, so that it is made once. A name missing here only costs time.
+SMOKE_RUN_FILES = ("test_sigterm_sweep.py", "test_smoke_run.py", "test_cli_errors.py")
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """xdist's whole-file scheduling (pytest.ini), with SMOKE_RUN_FILES one unit of work."""
+    from xdist.scheduler import LoadFileScheduling
+
+    if config.getvalue("dist") != "loadfile":
+        return None  # another --dist given on the command line: xdist's own
+
+    class SmokeRunFilesTogether(LoadFileScheduling):
+        def _split_scope(self, nodeid):
+            scope = super()._split_scope(nodeid)
+            return SMOKE_RUN_FILES[0] if os.path.basename(scope) in SMOKE_RUN_FILES else scope
+
+    return SmokeRunFilesTogether(config, log)
+
+
 def pytest_collection_modifyitems(items):
     slow_files = {item.path.name for item in items if item.get_closest_marker("slow")}
 
