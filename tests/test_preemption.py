@@ -3,7 +3,7 @@ most --backup-every-steps steps, and either way the same command resumes at the 
 missing (the learning-rate schedule where it was) and ends with the weights of a run never interrupted, bit for
 bit: --deterministic reruns are bit-identical. One uninterrupted run of each precision is the reference of every
 test here. SIGTERM to one of two workers is in test_resize.py, whose workers then resume on another cluster size.
-Under bfloat16 mixed precision it is the same, to the bit."""
+Under bfloat16 mixed precision it is the same, to the bit, and so under the default strategy (no distribution)."""
 
 import os
 import signal
@@ -85,16 +85,14 @@ def _assert_bit_identical(output_dir, reference):
         np.testing.assert_array_equal(got[name], expected[name], err_msg=name)
 
 
-# The default strategy (no distribution) backs up and resumes as MirroredStrategy on one device does, to the bit;
-# so does a run in bfloat16, whose backup holds the same float32 weights and Adam slots.
+# A run in bfloat16 resumes as one in float32 does, to the bit: its backup holds the same float32 weights and Adam
+# slots.
 @pytest.mark.slow
-@pytest.mark.parametrize("strategy, precision", [("mirrored", "float32"), ("default", "float32"),
-                                                 ("mirrored", "bfloat16")])
-def test_sigterm_saves_exits_143_and_resumes_bit_identical(strategy, precision, tmp_path, resume_data_dir,
-                                                           uninterrupted):
+@pytest.mark.parametrize("precision", ["float32", "bfloat16"])
+def test_sigterm_saves_exits_143_and_resumes_bit_identical(precision, tmp_path, resume_data_dir, uninterrupted):
     output_dir = str(tmp_path / "out")
     flags, policy = PRECISIONS[precision]
-    proc = Worker(_args(resume_data_dir, output_dir, "--strategy", strategy, *flags), {}, tmp_path, "run")
+    proc = Worker(_args(resume_data_dir, output_dir, *flags), {}, tmp_path, "run")
     try:
         proc.wait_for(f"Epoch 2/{EPOCHS}")
         sent = time.monotonic()
@@ -116,17 +114,19 @@ def test_sigterm_saves_exits_143_and_resumes_bit_identical(strategy, precision, 
     assert epoch == 1 and 0 < step < STEPS
     assert f"saved at epoch 2, image {position.image:,} of {STEPS * BATCH:,};" in last
 
-    resumed_stdout, results = _finish(resume_data_dir, output_dir, "--strategy", strategy, *flags)
-    assert results["resumed_from_step"] == STEPS + step and results["strategy"] == strategy
+    resumed_stdout, results = _finish(resume_data_dir, output_dir, *flags)
+    assert results["resumed_from_step"] == STEPS + step and results["strategy"] == "mirrored"
     assert results["dtype_policy"] == policy
     _assert_resumed_inside_epoch_2(resumed_stdout, results)
     _assert_bit_identical(output_dir, uninterrupted(precision))
 
 
+# Under the default strategy (no distribution), which backs up and resumes as MirroredStrategy on one device does,
+# to the bit: the reference is the mirrored run's.
 def test_sigkill_mid_epoch_resumes_at_the_last_backup_bit_identical(tmp_path, resume_data_dir, uninterrupted):
     output_dir = str(tmp_path / "out")
     backup_dir = os.path.join(output_dir, "backup")
-    worker = Worker(_args(resume_data_dir, output_dir), {}, tmp_path, "run")
+    worker = Worker(_args(resume_data_dir, output_dir, "--strategy", "default"), {}, tmp_path, "run")
     proc = worker.proc
     try:
         worker.wait_for(f"Epoch 2/{EPOCHS}")
@@ -149,8 +149,9 @@ def test_sigkill_mid_epoch_resumes_at_the_last_backup_bit_identical(tmp_path, re
     assert position[1] % EVERY == 0  # backups fall every --backup-every-steps steps
     assert not os.path.exists(os.path.join(output_dir, "results.json"))
 
-    resumed_stdout, results = _finish(resume_data_dir, output_dir)
+    resumed_stdout, results = _finish(resume_data_dir, output_dir, "--strategy", "default")
     _assert_resumed_inside_epoch_2(resumed_stdout, results)
+    assert results["strategy"] == "default"
     assert results["resumed_from_step"] >= STEPS + position[1]  # at the backup seen, or a later one
     # It trains epoch 2's rest and the epochs after it, each once, the schedule where it was: epoch 4 at 1e-4.
     trained = [n for n in range(1, EPOCHS + 1) if f"Epoch {n}/{EPOCHS}" in resumed_stdout]
