@@ -5,10 +5,10 @@ Each pod is a host of its own: a network namespace (tests/netns.py), and a mount
 host name is the one its controller gives it (`<job>-<index>`; `<trainjob>-node-0-<index>` for the JobSet Trainer
 makes), and every pod's name under its headless Service resolves through a hosts file mounted over /etc/hosts, as
 the cluster's DNS would resolve it. Each pod gets JOB_COMPLETION_INDEX, as the Job controller sets it, and the
-manifest's own variables and command (for the TrainJob, as Trainer applies it to its runtime). A pod SIGKILLed
-mid-epoch ends the other with 138; both started again with the same indexes, as the Job or JobSet replaces them,
-resume at the last backup and train to the end, every image once. Bad variables are refused in one line, exit 2,
-before TensorFlow starts.
+manifest's own variables and command (for the TrainJob, as Trainer applies it to its runtime). The TrainJob's pods
+train to the end. One of the Indexed Job's pods SIGKILLed mid-epoch ends the other with 138; both started again
+with the same indexes, as the Job (or JobSet) replaces them, resume at the last backup and train to the end, every
+image once. Bad variables are refused in one line, exit 2, before TensorFlow starts.
 """
 
 import json
@@ -27,6 +27,7 @@ from manifests import job_specs, trainer
 from processes import (ROOT, Worker, apply_env, assert_one_port_warning, assert_refused_in_one_line, backed_up_images,
                        finish, images_at, run_under_broken_tf_config, skip_unless_ci, started, subprocess_env,
                        wait_for_backup_after)
+from small_data import NUM_TRAIN
 
 ENTRYPOINT = ["python", "train_mnist_mirrored.py"]
 BATCH = 8
@@ -108,15 +109,21 @@ class Restart:
         self.again_seconds = round(time.monotonic() - restarted, 1)
 
 
-@pytest.fixture(scope="module", params=list(MANIFESTS))
-def restart(request, tmp_path_factory, resume_data_dir):
+def on_their_hosts(name, tmp_path_factory, data_dir, run):
+    """run(Pods) for the manifest `name`, its pods' hosts up meanwhile; returns what it returns."""
     reason = netns.unavailable() or (None if shutil.which("hostname") else "hostname not installed")
     if reason:
         skip_unless_ci(reason)
-    manifest = MANIFESTS[request.param]
-    folder = tmp_path_factory.mktemp(request.param)
-    with started(netns.Hosts, f"{request.param[:3]}{os.getpid()}", str(folder), manifest.names) as hosts:
-        return Restart(Pods(manifest, hosts, folder, resume_data_dir))
+    manifest = MANIFESTS[name]
+    folder = tmp_path_factory.mktemp(name)
+    with started(netns.Hosts, f"{name[:3]}{os.getpid()}", str(folder), manifest.names) as hosts:
+        return run(Pods(manifest, hosts, folder, data_dir))
+
+
+@pytest.fixture(scope="module")
+def restart(tmp_path_factory, resume_data_dir):
+    """The Indexed Job's pods, one SIGKILLed mid-epoch and both replaced."""
+    return on_their_hosts("indexed-job", tmp_path_factory, resume_data_dir, Restart)
 
 
 @pytest.mark.slow
@@ -146,6 +153,26 @@ def test_both_pods_replaced_with_their_indexes_resume_and_train_every_image_once
     assert results["strategy"] == "multiworker" and results["replicas"] == restart.manifest.workers
     assert results["resumed_after_images"] == restart.last_backup
     assert results["resumed_after_images"] + results["train_images"] == EPOCHS * EPOCH_IMAGES
+
+
+@pytest.mark.slow
+def test_a_trainjobs_pods_find_each_other_and_train_to_the_end(tmp_path_factory, data_dir):
+    """By the host names JobSet gives them, with the variables Trainer applies to its runtime. A lost pod is the
+    Indexed Job's case above: JobSet, as the Job, replaces the pods with the same indexes."""
+    def to_the_end(pods):
+        workers = pods.start(1)
+        return workers, finish(workers, RUN_SECONDS), pods.output_dir
+
+    manifest = MANIFESTS["trainjob"]
+    workers, statuses, output_dir = on_their_hosts("trainjob", tmp_path_factory, data_dir, to_the_end)
+    for pod, status in zip(workers, statuses):
+        assert status == 0, pod.stderr[-3000:]
+        assert "Traceback" not in pod.stderr
+        assert_one_port_warning(pod.stderr, port=int(manifest.env["MNIST_WORKER_PORT"]))
+    with open(os.path.join(output_dir, "results.json")) as f:
+        results = json.load(f)
+    assert results["strategy"] == "multiworker" and results["replicas"] == manifest.workers
+    assert results["resumed_after_images"] == 0 and results["train_images"] == EPOCHS * NUM_TRAIN
 
 
 # ---------------------------------------------------------------- bad variables: exit 2, one line
