@@ -1,9 +1,10 @@
 """Resume after a kill or a pre-emption: SIGTERM saves at the next step boundary and exits 143, a SIGKILL loses at
-most --backup-every-steps steps, and either way the same command resumes at the saved step, trains only what was
-missing (the learning-rate schedule where it was) and ends with the weights of a run never interrupted, bit for
-bit: --deterministic reruns are bit-identical. One uninterrupted run of each precision is the reference of every
-test here. SIGTERM to one of two workers is in test_resize.py, whose workers then resume on another cluster size.
-Under bfloat16 mixed precision it is the same, to the bit, and so under the default strategy (no distribution)."""
+most --backup-every-steps steps (and leaves its lock behind, which blocks nothing), and either way the same command
+resumes at the saved step, trains only what was missing (the learning-rate schedule where it was) and ends with the
+weights of a run never interrupted, bit for bit: --deterministic reruns are bit-identical. One uninterrupted run of
+each precision is the reference of every test here. SIGTERM to one of two workers is in test_resize.py, whose
+workers then resume on another cluster size. Under bfloat16 mixed precision it is the same, to the bit, and so
+under the default strategy (no distribution)."""
 
 import os
 import signal
@@ -12,10 +13,12 @@ import time
 import numpy as np
 import pytest
 
+from config import Config
 from machinery import resume
 from machinery.exits import EXIT_PREEMPTED
 from processes import EXIT_SECONDS, Worker, finish, wait_until
 from runs import final_weights, finished
+from test_run_lock import described_by
 
 # Each test here starts whole training runs.
 pytestmark = pytest.mark.slow
@@ -148,6 +151,8 @@ def test_sigkill_mid_epoch_resumes_at_the_last_backup_bit_identical(tmp_path, re
     assert proc.returncode == -signal.SIGKILL
     assert position[1] % EVERY == 0  # backups fall every --backup-every-steps steps
     assert not os.path.exists(os.path.join(output_dir, "results.json"))
+    lock = os.path.join(output_dir, Config().lock_file)
+    assert described_by(lock, proc.pid)  # left behind, still naming the dead run: it blocks nothing
 
     resumed_stdout, results = _finish(resume_data_dir, output_dir, "--strategy", "default")
     _assert_resumed_inside_epoch_2(resumed_stdout, results)
@@ -159,6 +164,7 @@ def test_sigkill_mid_epoch_resumes_at_the_last_backup_bit_identical(tmp_path, re
     assert f"Learning rate for epoch {EPOCHS} is 1e-04\n" in resumed_stdout
     _assert_bit_identical(output_dir, uninterrupted("float32"))
     assert not os.path.exists(backup_dir)  # removed once the run ended
+    assert not os.path.exists(lock)
 
 
 def test_overwrite_replaces_a_finished_run_without_mixing_checkpoints(tmp_path, resume_data_dir, uninterrupted):

@@ -1,6 +1,6 @@
 """One run per output folder: a second run into a folder a live run holds stops at once (exit 2, one line naming
-the holder's host, process id and start time) and the first finishes unharmed; a holder killed outright blocks
-nothing, and the same command resumes from its backup."""
+the holder's host, process id and start time) and the first finishes unharmed. A holder killed outright blocks
+nothing, and the same command resumes from its backup: test_preemption.py's SIGKILL test."""
 
 import errno
 import fcntl
@@ -18,7 +18,7 @@ import config
 from machinery import run_lock
 import train_mnist_mirrored
 from machinery import worker_sources
-from processes import Worker, backed_up_images, finish, images_at, run_entrypoint
+from processes import Worker, finish, run_entrypoint
 from runs import smoke_args
 from machinery import exits
 
@@ -79,28 +79,6 @@ def test_a_second_run_into_a_held_folder_is_refused_and_the_first_finishes(tmp_p
     assert status == 0, first.stderr[-3000:]
     assert len(glob.glob(os.path.join(output_dir, "logs", "train", "events.out.tfevents.*"))) == 1
     assert os.path.exists(os.path.join(output_dir, "results.json")) and not os.path.exists(lock)
-
-
-@pytest.mark.slow
-def test_a_holder_killed_outright_blocks_nothing_and_the_same_command_resumes(tmp_path, resume_data_dir):
-    output_dir = str(tmp_path / "out")
-    args = ["--epochs", "1", "--batch-size-per-replica", "32", "--steps-per-execution", "5",
-            "--backup-every-steps", "10", "--data-dir", resume_data_dir, "--output-dir", output_dir]
-    lock = os.path.join(output_dir, config.Config().lock_file)
-    backup_dir = os.path.join(output_dir, "backup")
-    killed = Worker(args, {}, tmp_path, "killed")
-    try:
-        until(lambda: (backed_up_images(backup_dir) or 0) > 0, "a backup", lambda: killed.proc.poll() is None)
-        killed.proc.kill()
-    finally:
-        finish([killed])
-    assert killed.returncode == -signal.SIGKILL
-    assert described_by(lock, killed.proc.pid)  # left behind, still naming the dead run
-    last_backup = backed_up_images(backup_dir)
-    again = run_entrypoint(args, tmp_path, timeout=600)
-    assert again.returncode == 0, again.stderr[-3000:]
-    assert images_at(again.stdout, "Resuming from the backup") == [last_backup]
-    assert not os.path.exists(lock)
 
 
 @pytest.mark.parametrize("environ", [
