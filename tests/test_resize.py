@@ -1,4 +1,4 @@
-"""A run restarted on another cluster size continues exactly, counted in images: 1 replica to 2 and 2 to 1, 2
+"""A run restarted on another cluster size continues exactly, counted in images: 1 replica to 2 and back to 1, 2
 workers to 1 and back to 2, interrupted by SIGTERM or SIGKILL mid-epoch, the resized runs too. Every training
 image of each epoch is trained exactly once across the processes, the counts add up, and the learning rate
 stays on the epochs' schedule; workers pre-empted and restarted leave nothing in their node's TMPDIR. A restart the
@@ -203,7 +203,7 @@ def test_a_backup_without_a_record_is_refused_not_guessed(tmp_path):
 
 
 @pytest.mark.slow
-def test_one_replica_to_two_and_the_resized_run_killed(tmp_path, resume_data_dir):
+def test_one_replica_to_two_killed_and_back_to_one_keeps_the_warmup_on_epochs(tmp_path, resume_data_dir):
     output_dir = str(tmp_path / "out")
     backup_dir = os.path.join(output_dir, "backup")
     scaled = ["--scale-lr", "--warmup-epochs", "2"]
@@ -223,49 +223,25 @@ def test_one_replica_to_two_and_the_resized_run_killed(tmp_path, resume_data_dir
     two.proc.send_signal(signal.SIGKILL)
     two.proc.wait(timeout=EXIT_SECONDS)
     second = resume.read(backup_dir)  # the last one it wrote
-    assert second.settings.global_batch == 2 * BATCH
+    assert second.epoch == 1 and second.settings.global_batch == 2 * BATCH
     _assert_resumed_at(two, first, 2 * BATCH)
 
-    # The same command finishes.
-    (again,) = workers = [_start(tmp_path, "again", resume_data_dir, output_dir, "--cpu-replicas", "2", *scaled)]
+    # One replica again finishes, from the two replicas' backup.
+    (again,) = workers = [_start(tmp_path, "again", resume_data_dir, output_dir, *scaled)]
     results = _finished(workers, output_dir)
-    assert f"at epoch {second.epoch + 1}, image {second.image:,} of {NUM_TRAIN:,}" in again.stdout
+    _assert_resumed_at(again, second, BATCH)
     assert results["resumed_after_images"] == _trained(second)
     assert results["resumed_after_images"] + results["train_images"] == EPOCHS * NUM_TRAIN
-    assert results["global_batch_size"] == 2 * BATCH and results["learning_rate_scale"] == 0.5
+    assert results["global_batch_size"] == BATCH and results["learning_rate_scale"] == 0.25
     _assert_each_image_once([((0, 0), (first.epoch, first.image), BATCH),
                              ((first.epoch, first.image), (second.epoch, second.image), 2 * BATCH),
-                             ((second.epoch, second.image), (EPOCHS, 0), 2 * BATCH)])
-    # The scale follows the new global batch, and epoch 2 ends at the warm-up's point of a run that always had
-    # two replicas: the optimizer's step count (100 steps an epoch, then 50) would put it further on.
-    assert sorted(_rates(again.stdout)) == list(range(second.epoch + 1, EPOCHS + 1))
-    for worker in (two, again):
-        _assert_rates_on_schedule(worker.stdout, global_batch=2 * BATCH, scale_lr=True, warmup_epochs=2)
-
-
-@pytest.mark.slow
-def test_two_replicas_to_one_after_sigkill_keeps_the_warmup_on_epochs(tmp_path, resume_data_dir):
-    output_dir = str(tmp_path / "out")
-    backup_dir = os.path.join(output_dir, "backup")
-    scaled = ["--scale-lr", "--warmup-epochs", "2"]
-
-    (two,) = [_start(tmp_path, "two", resume_data_dir, output_dir, "--cpu-replicas", "2", *scaled)]
-    _wait_for_backup(two, backup_dir, lambda p: p.epoch == 1 and p.image > 0)
-    two.proc.send_signal(signal.SIGKILL)
-    two.proc.wait(timeout=EXIT_SECONDS)
-    first = resume.read(backup_dir)
-
-    (one,) = workers = [_start(tmp_path, "one", resume_data_dir, output_dir, *scaled)]
-    results = _finished(workers, output_dir)
-    _assert_resumed_at(one, first, BATCH)
-    assert results["resumed_after_images"] == _trained(first)
-    assert results["resumed_after_images"] + results["train_images"] == EPOCHS * NUM_TRAIN
-    _assert_each_image_once([((0, 0), (first.epoch, first.image), 2 * BATCH),
-                             ((first.epoch, first.image), (EPOCHS, 0), BATCH)])
-    # Epoch 2 ends mid-ramp at the ramp's point of a run that always had one replica (the optimizer's step
-    # count, 50 steps an epoch and then 100, would put it elsewhere).
-    assert sorted(_rates(one.stdout)) == [2]
-    _assert_rates_on_schedule(one.stdout, global_batch=BATCH, scale_lr=True, warmup_epochs=2)
+                             ((second.epoch, second.image), (EPOCHS, 0), BATCH)])
+    # The scale follows the new global batch, and epoch 2 ends mid-ramp at the ramp's point of a run that always
+    # had one replica: the optimizer's step count (100 steps an epoch, 50 while there were two replicas) would put
+    # it elsewhere.
+    assert sorted(_rates(again.stdout)) == [2]
+    for worker, global_batch in ((two, 2 * BATCH), (again, BATCH)):
+        _assert_rates_on_schedule(worker.stdout, global_batch=global_batch, scale_lr=True, warmup_epochs=2)
 
 
 @pytest.mark.slow
