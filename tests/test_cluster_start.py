@@ -2,9 +2,9 @@
 
 Real processes on loopback: a worker whose peer never comes exits 138 within --cluster-timeout naming it; a taken
 port is one line; SIGTERM during the wait is 143 within seconds; a successful two-worker run (a ring, all-reducing
-in bfloat16, validating) logs no errors but each its open port, records its choices, leaves only
-the chief's outputs, and its progress bar shows figures a single replica could (accuracy in [0, 1]) mid-epoch. The SIGTERM mid-training case is
-in test_resize.py (the first pair of workers).
+in bfloat16, validating) logs no errors but each its open port, records its choices, leaves only the chief's
+outputs, and its progress bar shows figures a single replica could (accuracy in [0, 1]) mid-epoch. The SIGTERM
+mid-training case is in test_resize.py (the first pair of workers).
 """
 
 import json
@@ -23,6 +23,7 @@ from machinery import sigterm
 from machinery import worker_group
 from machinery import worker_sources
 from processes import EXIT_SECONDS, ROOT, Worker, assert_one_port_warning, finish, free_ports, subprocess_env, wait_until
+from runs import assert_only_documented_outputs
 
 TIMEOUT = 5  # --cluster-timeout of these tests, seconds
 # A generous bound on a loaded 2-core machine, where loading TensorFlow alone takes seconds.
@@ -139,9 +140,7 @@ def test_two_workers_record_their_choices_and_leave_only_the_chiefs_outputs(two_
     assert " - val_loss: " in two_workers.workers[0].stdout
     assert os.path.isdir(two_workers.output_dir / "logs" / "validation")
     # Only the chief's outputs are in --output-dir: no worker's temporary copies, and no backup once finished.
-    output_dir = two_workers.output_dir
-    assert sorted(os.listdir(output_dir)) == ["logs", "model.keras", "results.json", "saved_model", "training_checkpoints"]
-    assert not [d for d in os.listdir(output_dir / "training_checkpoints") if d.startswith("workertemp")]
+    assert_only_documented_outputs(two_workers.output_dir)
     # The non-chief wrote its copies to a temporary folder of its own (its TMPDIR) and removed it.
     assert os.listdir(two_workers.workers[1].scratch) == []
 

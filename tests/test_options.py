@@ -9,7 +9,7 @@ import os
 import pytest
 
 from processes import run_entrypoint
-from runs import smoke_args
+from runs import assert_only_documented_outputs, smoke_args
 
 # Each run: its flags beside the smoke run's, and what its results.json must then say.
 RUNS = {
@@ -42,6 +42,5 @@ def test_runs_to_the_end_and_records_its_choices(one_process_run):
         results = json.load(f)
     assert {key: results[key] for key in expected} == expected
     assert results["eval_accuracy_checkpoint"] == results["eval_accuracy_unreplicated"] > 0.5
-    assert sorted(os.listdir(output_dir)) == ["logs", "model.keras", "results.json", "saved_model",
-                                              "training_checkpoints"]
+    assert_only_documented_outputs(output_dir)
 

@@ -16,7 +16,7 @@ import data
 import export
 import model
 from processes import ROOT, subprocess_env
-from runs import SMOKE_BATCH, SMOKE_CPU_REPLICAS, SMOKE_EPOCHS, SMOKE_STEPS
+from runs import SMOKE_BATCH, SMOKE_CPU_REPLICAS, SMOKE_EPOCHS, SMOKE_STEPS, assert_only_documented_outputs
 from small_data import NUM_TEST, NUM_TRAIN
 
 IMAGE_SHAPE, NUM_CLASSES = data.image_shape_and_classes()  # from tfds's DatasetInfo
@@ -275,8 +275,7 @@ KERAS3_SCRIPT = textwrap.dedent("""
 def test_model_keras_loads_in_keras_3_and_predicts_like_the_checkpoint(smoke_ok, test_images, checkpoint_predictions,
                                                                        tmp_path):
     # Written beside saved_model/, under a temporary name that does not stay behind.
-    assert sorted(os.listdir(smoke_ok.output_dir)) == [
-        "logs", "model.keras", "results.json", "saved_model", "training_checkpoints"]
+    assert_only_documented_outputs(smoke_ok.output_dir)
     predicted = _predict_in_fresh_process(KERAS3_SCRIPT, smoke_ok.path("model.keras"), test_images[0], tmp_path)
     assert predicted.shape == checkpoint_predictions.shape == (len(test_images[0]), NUM_CLASSES)
     np.testing.assert_allclose(predicted, checkpoint_predictions, atol=1e-5, rtol=0)
