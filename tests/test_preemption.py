@@ -7,6 +7,7 @@ workers then resume on another cluster size. Under bfloat16 mixed precision it i
 under the default strategy (no distribution)."""
 
 import os
+import shutil
 import signal
 import time
 
@@ -168,8 +169,6 @@ def test_sigkill_mid_epoch_resumes_at_the_last_backup_bit_identical(tmp_path, re
 
 
 def test_overwrite_replaces_a_finished_run_without_mixing_checkpoints(tmp_path, resume_data_dir, uninterrupted):
-    import shutil
-
     output_dir = str(tmp_path / "out")
     shutil.copytree(uninterrupted("float32").output_dir, output_dir)
     assert os.path.exists(os.path.join(output_dir, "training_checkpoints", f"ckpt_{EPOCHS}.index"))
