@@ -96,6 +96,17 @@ def write_dataset(directory, arrays, name=None):
 
 # ---------------------------------------------------------------- a cached split, without tfds's files
 
+def scaled(images, labels):
+    """(images, labels) through data.scale one example at a time, as tf.data's `map` calls it (a user's scale may
+    take one example only), batched back into two tensors."""
+    import tensorflow as tf
+
+    import data
+
+    examples = tf.data.Dataset.from_tensor_slices((images, labels)).map(data.scale)
+    return examples.batch(len(labels)).get_single_element()
+
+
 def cached_split(images, labels):
     """A training split cached from arrays, as input_engine.open_split caches a split that fits the memory limit:
     each example (uint8 image, int64 label) through data.scale, held in CPU variables. For the tests of the stream,
@@ -105,7 +116,6 @@ def cached_split(images, labels):
     import data
     from machinery import input_engine
 
-    examples = tf.data.Dataset.from_tensor_slices((images, labels)).map(data.scale)
-    scaled = examples.batch(len(labels)).get_single_element()
-    spec = tuple(tf.TensorSpec(tensor.shape[1:], tensor.dtype) for tensor in scaled)
-    return input_engine.Split(None, "train", data.scale, spec, len(labels), input_engine.held(scaled))
+    held = scaled(images, labels)
+    spec = tuple(tf.TensorSpec(tensor.shape[1:], tensor.dtype) for tensor in held)
+    return input_engine.Split(None, "train", data.scale, spec, len(labels), input_engine.held(held))

@@ -15,6 +15,7 @@ import model
 from machinery import resume
 from config import Config
 from runs import SMOKE_CPU_REPLICAS, finished, smoke_args
+from small_data import scaled
 from model import keras
 from test_smoke_run import KERAS3_SCRIPT, _predict_in_fresh_process, _scalars
 
@@ -97,6 +98,12 @@ def batches():
     return tf.data.Dataset.from_tensor_slices((x, y)).batch(GLOBAL_BATCH).repeat()
 
 
+def first_layer(net):
+    """The model's first layer with weights: a functional model's layers begin with its Input, which computes
+    nothing."""
+    return next(layer for layer in net.layers if layer.weights)
+
+
 @pytest.fixture(scope="module")
 def initial_weights():
     keras.utils.set_random_seed(5)
@@ -177,7 +184,7 @@ def test_mixed_precision_scales_the_loss_around_the_fused_adam(batches):
     assert isinstance(net.optimizer.inner_optimizer, keras.optimizers.legacy.Adam)
     assert net.optimizer.dynamic and np.isfinite(float(net.optimizer.loss_scale))
     # ...float16 compute, float32 logits...
-    assert net.layers[0].compute_dtype == "float16" and net.layers[0].variable_dtype == "float32"
+    assert first_layer(net).compute_dtype == "float16" and first_layer(net).variable_dtype == "float32"
     assert net.layers[-1].compute_dtype == "float32" and net.output.dtype == tf.float32
     # ...and the learning rate is still read through the wrapper.
     assert int(net.optimizer.iterations) == 2
@@ -195,7 +202,7 @@ def test_bfloat16_computes_in_bfloat16_and_scales_no_loss(batches):
     assert isinstance(net.optimizer, keras.optimizers.legacy.Adam) and int(net.optimizer.iterations) == 2
     assert all(weight.dtype == tf.float32 for weight in net.weights)
     # ...from bfloat16 compute, with float32 logits.
-    assert net.layers[0].compute_dtype == "bfloat16" and net.layers[-1].compute_dtype == "float32"
+    assert first_layer(net).compute_dtype == "bfloat16" and net.layers[-1].compute_dtype == "float32"
     assert net.output.dtype == tf.float32
 
 
@@ -270,12 +277,12 @@ def test_mixed_precision_exports_serve_float32(run, compute, request, dataset_ar
     assert spec.dtype == tf.float32
     (out_spec,) = serve.structured_outputs.values()
     assert out_spec.dtype == tf.float32
-    images = data.scale(*(part[:8] for part in dataset_arrays["test"]))[0].numpy()
+    images = scaled(*(part[:8] for part in dataset_arrays["test"]))[0].numpy()
     (logits,) = serve(**{next(iter(serve.structured_input_signature[1])): tf.constant(images)}).values()
     assert logits.dtype == tf.float32 and logits.shape == (8, NUM_CLASSES) and np.all(np.isfinite(logits.numpy()))
     # It was trained and exported in mixed precision: float16 or bfloat16 compute inside, float32 at the end.
     reloaded = keras.models.load_model(saved, compile=False)
-    assert reloaded.layers[0].dtype_policy.name == f"mixed_{compute}"
+    assert first_layer(reloaded).dtype_policy.name == f"mixed_{compute}"
     assert reloaded.layers[-1].dtype_policy.name == "float32"
     # Keras 3 loads the Keras file, policies and all, and its float32 logits are the SavedModel's.
     predicted = _predict_in_fresh_process(KERAS3_SCRIPT, os.path.join(output_dir, "model.keras"), images, tmp_path)

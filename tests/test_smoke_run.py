@@ -15,16 +15,19 @@ import tensorflow as tf
 import data
 import export
 import model
+import train_mnist_mirrored
 from processes import ROOT, subprocess_env
 from runs import SMOKE_BATCH, SMOKE_CPU_REPLICAS, SMOKE_EPOCHS, SMOKE_STEPS, assert_only_documented_outputs
-from small_data import NUM_TEST, NUM_TRAIN
+from small_data import NUM_TEST, NUM_TRAIN, scaled
 
 IMAGE_SHAPE, NUM_CLASSES = data.image_shape_and_classes()  # from tfds's DatasetInfo
 
 
 def built_model():
-    """model.py's model, as the run builds it."""
-    return model.build_model(IMAGE_SHAPE, NUM_CLASSES)
+    """model.py's model, as the run builds it: its variables made (a subclassed model makes them at its first call)."""
+    net = model.build_model(IMAGE_SHAPE, NUM_CLASSES)
+    train_mnist_mirrored.make_variables(tf, net, tf.TensorSpec(IMAGE_SHAPE, tf.float32))
+    return net
 
 
 # ---------------------------------------------------------------- the run itself
@@ -183,7 +186,7 @@ def test_validation_writes_a_validation_run_beside_train(smoke_ok, dataset_array
     net = built_model()
     net.load_weights(tf.train.latest_checkpoint(smoke_ok.path("training_checkpoints"))).expect_partial()
     images, labels = dataset_arrays["test"]
-    logits = net.predict(data.scale(images, labels)[0], verbose=0)
+    logits = net.predict(scaled(images, labels)[0], verbose=0)
     loss = float(model.keras.losses.SparseCategoricalCrossentropy(from_logits=True)(labels, logits))
     accuracy = float(np.mean(np.argmax(logits, axis=1) == labels))
     assert validation["epoch_loss"][-1][1] == pytest.approx(loss, abs=1e-5)
@@ -206,8 +209,8 @@ def test_global_batch_is_per_replica_times_replicas(smoke_ok):
 @pytest.fixture(scope="module")
 def test_images(dataset_arrays):
     images, labels = dataset_arrays["test"]
-    images, labels = data.scale(images[:24], labels[:24])
-    return images.numpy(), labels
+    images, labels = scaled(images[:24], labels[:24])
+    return images.numpy(), labels.numpy()
 
 
 @pytest.fixture(scope="module")
