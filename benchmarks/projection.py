@@ -87,13 +87,18 @@ MEASURED = (
 
 def built_model():
     """The model model.py builds, as the run builds it: for the image shape and classes tfds's DatasetInfo gives."""
-    import train_mnist_mirrored  # noqa: F401  (sets TensorFlow's environment, as a run does)
+    import train_mnist_mirrored  # sets TensorFlow's environment, as a run does
 
     terminal.start_tensorflow(verbose=False)  # its start-up notices held back, as in a run
     import data
     import model
+    import tensorflow as tf
 
-    return model.build_model(*data.image_shape_and_classes())
+    image_shape, num_classes = data.image_shape_and_classes()
+    net = model.build_model(image_shape, num_classes)
+    # A model that makes its variables at its first call (a subclassed one) makes them now, as the run's do.
+    train_mnist_mirrored.make_variables(tf, net, tf.TensorSpec(image_shape, tf.float32))
+    return net
 
 
 @functools.lru_cache(maxsize=None)
